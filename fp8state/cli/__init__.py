@@ -1,0 +1,64 @@
+"""The ``fp8state`` console script: one sub-command per module of this package.
+
+Each sub-command module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int``. Errors fp8state raises on purpose become a one-line message on stderr and a
+non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from fp8state.errors import FP8StateError
+
+__all__ = ["main"]
+
+# Sub-command modules, in the order `fp8state --help` lists them. Imported lazily so that
+# `fp8state inspect` does not pay for what `fp8state demo` needs.
+_COMMANDS = {
+    "demo": "fp8state.cli.demo",
+    "inspect": "fp8state.cli.inspect_cmd",
+    "migrate": "fp8state.cli.migrate_cmd",
+    "consolidate": "fp8state.cli.consolidate_cmd",
+}
+
+#: Exit code for an FP8StateError (bad or unsafe input); argparse uses 2 for bad usage.
+EXIT_FP8STATE_ERROR = 1
+
+
+def _available() -> dict[str, str]:
+    found = {}
+    for name, module in _COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = module
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the console script; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="fp8state", description="FP8 training with boringly correct checkpoints."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    modules = {}
+    for name, module_name in _available().items():
+        module = importlib.import_module(module_name)
+        modules[name] = module
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    args = parser.parse_args(argv)
+    try:
+        return int(modules[args.command].run(args))
+    except FP8StateError as err:
+        print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_FP8STATE_ERROR
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
+        print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_FP8STATE_ERROR
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m fp8state.cli`
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Errors fp8state raises on purpose.
+
+Every error names the place it concerns (a state-dict key, a payload key or a module), what was
+found, what was expected and what to do about it. All of them subclass :class:`FP8StateError`, so
+``except fp8state.errors.FP8StateError`` catches everything the library raises deliberately.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "FP8StateError",
+    "RecipeError",
+    "SchemaError",
+    "SchemaVersionError",
+    "LegacyFormatError",
+    "UnsafeCheckpointError",
+    "CheckpointError",
+    "DistributedStateError",
+    "ConversionError",
+    "ConfigError",
+]
+
+
+class FP8StateError(Exception):
+    """Base class of every error fp8state raises on purpose.
+
+    Args:
+        key: What the error is about: a state-dict key (``"blocks.0.fc1._extra_state"``), a key
+            inside an extra-state payload (``"fwd.scale"``), a module name or an argument.
+        found: What was found there.
+        expected: What should have been there.
+        fix: What the user can do about it.
+    """
+
+    def __init__(self, key: str, found: str, expected: str, fix: str) -> None:
+        self.key = key
+        self.found = found
+        self.expected = expected
+        self.fix = fix
+        super().__init__(f"{key}: found {found}; expected {expected}. {fix}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle through ``args`` by default; ours take four keyword-ish fields, so
+        # spell them out (multiprocessing and torch.distributed pickle exceptions across ranks).
+        return (type(self), (self.key, self.found, self.expected, self.fix))
+
+    def under(self, prefix: str) -> FP8StateError:
+        """Return the same error with ``prefix`` put in front of its key.
+
+        Used to name the state-dict key when the error is raised inside ``load_state_dict``.
+        """
+        return type(self)(f"{prefix}{self.key}", self.found, self.expected, self.fix)
+
+
+class RecipeError(FP8StateError, ValueError):
+    """A recipe (:class:`fp8state.DelayedScaling`) was given an invalid field."""
+
+
+class SchemaError(FP8StateError, ValueError):
+    """An extra-state payload does not follow the schema (keys, dtypes, shapes or values)."""
+
+
+class SchemaVersionError(SchemaError):
+    """An extra-state payload has a schema version this library cannot read."""
+
+
+class LegacyFormatError(FP8StateError, ValueError):
+    """A TransformerEngine checkpoint or extra state could not be decoded."""
+
+
+class UnsafeCheckpointError(FP8StateError):
+    """A pickle asked for a Python global outside the allow-list; nothing was executed."""
+
+
+class CheckpointError(FP8StateError):
+    """A checkpoint file or state dict could not be read or does not fit the model."""
+
+
+class DistributedStateError(FP8StateError):
+    """FP8 metadata that must agree across ranks does not."""
+
+
+class ConversionError(FP8StateError, ValueError):
+    """A module cannot be converted to its fp8state counterpart."""
+
+
+class ConfigError(FP8StateError, ValueError):
+    """A module or function was given arguments it cannot work with."""

@@ -1,0 +1,309 @@
+"""FP8StateMixin: owns a module's FP8 scaling metadata and checkpoints it safely.
+
+A module subclasses :class:`FP8StateMixin` and calls ``self.init_fp8_meta(num_gemms=...)`` once
+in ``__init__``. The mixin then
+
+1. holds the metadata as non-persistent buffers (``fp8_{fwd,bwd}_{amax_history,scale,
+   scale_inv}``), so ``.to()``, ``.cuda()``, ``to_empty()`` and FSDP move them with the module;
+2. records amaxes and updates scales with the pure functions of :mod:`fp8state.scaling`;
+3. serializes the metadata in ``get_extra_state`` as a flat dict of CPU tensors
+   (:mod:`fp8state.schema`), and restores it in ``set_extra_state`` onto the module's own device
+   after validating everything.
+
+Load order: PyTorch's ``_load_from_state_dict`` copies parameters, then calls
+``set_extra_state``. The mixin validates the extra state *before* that, so a bad payload raises
+(naming the state-dict key) while the module is still untouched.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from fp8state import scaling
+from fp8state.errors import ConfigError, FP8StateError
+from fp8state.recipe import DelayedScaling
+from fp8state.schema import DIRECTIONS, DirectionState, FP8State, pack, slots_per_gemm, unpack
+
+__all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS"]
+
+#: Rows of the amax history buffers unless a module asks for others (TE's default length).
+DEFAULT_HISTORY_ROWS = 1024
+
+_EXTRA_STATE_KEY = "_extra_state"
+
+
+class ScalingBuffers(NamedTuple):
+    """The live buffers of one direction (views into the module, not copies)."""
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _buffer_name(direction: str, field: str) -> str:
+    return f"fp8_{direction}_{field}"
+
+
+class FP8StateMixin(nn.Module):
+    """Base class of modules that own FP8 scaling metadata.
+
+    Example:
+        A module with two GEMMs (the full version is ``examples/custom_module.py``):
+
+        >>> import torch, fp8state
+        >>> class TwoGemms(fp8state.FP8StateMixin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w1 = torch.nn.Parameter(torch.randn(8, 8))
+        ...         self.w2 = torch.nn.Parameter(torch.randn(8, 8))
+        ...         self.init_fp8_meta(num_gemms=2)
+        >>> m = TwoGemms()
+        >>> sorted(m.get_extra_state())[:3]
+        ['bwd.amax_history', 'bwd.scale', 'bwd.scale_inv']
+        >>> m.fp8_meta("fwd").scale.shape
+        torch.Size([6])
+    """
+
+    # Class-level defaults so a subclass that forgets init_fp8_meta gets a clear error.
+    _fp8_num_gemms: int | None = None
+    _fp8_pending_load: tuple[object, FP8State] | None = None
+
+    def init_fp8_meta(
+        self,
+        *,
+        num_gemms: int,
+        device: torch.device | str | None = None,
+        history_rows: int = DEFAULT_HISTORY_ROWS,
+        recipe: DelayedScaling | None = None,
+    ) -> None:
+        """Allocate the FP8 metadata. Call once, from the subclass's ``__init__``.
+
+        Args:
+            num_gemms: GEMMs of the module; it gets ``3 * num_gemms`` forward and
+                ``2 * num_gemms`` backward slots, numbered as in TE (:mod:`fp8state.slots`).
+            device: Where the buffers live. Default: the device of the module's first
+                parameter or buffer, else CPU (a module built on ``meta`` stays on ``meta``).
+            history_rows: Rows of the amax history buffers; a recipe's ``amax_history_len`` is a
+                window over them.
+            recipe: Recipe recorded in checkpoints until the module runs under another one.
+                Default: :class:`DelayedScaling` with a window of ``min(1024, history_rows)``.
+
+        Raises:
+            ConfigError: for a GEMM or row count < 1, or a second call.
+        """
+        if self._fp8_num_gemms is not None:
+            raise ConfigError(
+                type(self).__name__, "a second init_fp8_meta() call", "exactly one call",
+                "Call init_fp8_meta once, in __init__.",
+            )
+        for name, value in (("num_gemms", num_gemms), ("history_rows", history_rows)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"{type(self).__name__}.init_fp8_meta({name}=...)", repr(value),
+                    "an int >= 1", f"Pass a positive {name}.",
+                )
+        if device is None:
+            first = next(iter([*self.parameters(), *self.buffers()]), None)
+            device = first.device if first is not None else torch.device("cpu")
+        for d in DIRECTIONS:
+            n = num_gemms * slots_per_gemm(d)
+            f32 = {"dtype": torch.float32, "device": device}
+            self.register_buffer(
+                _buffer_name(d, "amax_history"), torch.zeros(history_rows, n, **f32),
+                persistent=False,
+            )
+            self.register_buffer(_buffer_name(d, "scale"), torch.ones(n, **f32), persistent=False)
+            self.register_buffer(
+                _buffer_name(d, "scale_inv"), torch.ones(n, **f32), persistent=False
+            )
+        self._fp8_num_gemms = num_gemms
+        self.fp8_recipe: DelayedScaling = recipe or DelayedScaling(
+            amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
+        )
+        # True when the next recorded amax opens a new step (shifts the history down).
+        self._fp8_new_step = {d: True for d in DIRECTIONS}
+
+    # ------------------------------------------------------------------ metadata access
+    @property
+    def fp8_num_gemms(self) -> int:
+        """Number of GEMMs declared in ``init_fp8_meta``."""
+        return self._require_meta()
+
+    def fp8_meta(self, direction: str) -> ScalingBuffers:
+        """The live buffers of ``direction`` (``"fwd"`` or ``"bwd"``)."""
+        self._require_meta()
+        return ScalingBuffers(
+            *(getattr(self, _buffer_name(direction, f)) for f in ScalingBuffers._fields)
+        )
+
+    def fp8_state(self) -> FP8State:
+        """The module's metadata and recipe as an :class:`~fp8state.schema.FP8State` (live)."""
+        fwd, bwd = (DirectionState(*self.fp8_meta(d)) for d in DIRECTIONS)
+        return FP8State(fwd, bwd, self.fp8_recipe)
+
+    def _require_meta(self) -> int:
+        if self._fp8_num_gemms is None:
+            raise ConfigError(
+                type(self).__name__, "no FP8 metadata", "init_fp8_meta() called in __init__",
+                "Call self.init_fp8_meta(num_gemms=...) in the module's __init__.",
+            )
+        return self._fp8_num_gemms
+
+    # ------------------------------------------------------------------ delayed scaling
+    @torch.no_grad()
+    def fp8_record_amax(self, direction: str, slot: int, amax: torch.Tensor) -> None:
+        """Record ``amax`` for ``slot`` of the current step.
+
+        The first record after a scale update shifts the history down one row (a new step);
+        later records in the same step keep the max in row 0 (micro-batches, recomputation).
+        """
+        hist = self.fp8_meta(direction).amax_history
+        if self._fp8_new_step[direction]:
+            hist.copy_(scaling.shift_history(hist))
+            self._fp8_new_step[direction] = False
+        hist[0, slot] = scaling.record_amax(hist[0, slot], amax)
+
+    @torch.no_grad()
+    def fp8_update_scales(self, direction: str, recipe: DelayedScaling | None = None) -> None:
+        """Recompute ``direction``'s scales from its history (the end of a step).
+
+        Args:
+            direction: ``"fwd"`` or ``"bwd"``.
+            recipe: The recipe the step ran under; it becomes the module's ``fp8_recipe``.
+        """
+        recipe = recipe or self.fp8_recipe
+        self._fp8_ensure_rows(recipe.amax_history_len)
+        meta = self.fp8_meta(direction)
+        scale, scale_inv = scaling.update_scale(
+            meta.amax_history, meta.scale,
+            window=recipe.amax_history_len, algo=recipe.amax_compute_algo,
+            fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin,
+        )
+        meta.scale.copy_(scale)
+        meta.scale_inv.copy_(scale_inv)
+        self.fp8_recipe = recipe
+        self._fp8_new_step[direction] = True
+
+    def _fp8_ensure_rows(self, rows: int) -> None:
+        """Grow the history buffers to ``rows`` rows (zeros appended), warning once."""
+        current = self.fp8_meta("fwd").amax_history.shape[0]
+        if rows <= current:
+            return
+        warnings.warn(
+            f"{type(self).__name__}: amax history grows from {current} to {rows} rows "
+            f"(recipe window or checkpoint longer than the buffer); no value is dropped.",
+            stacklevel=3,
+        )
+        for d in DIRECTIONS:
+            old = self.fp8_meta(d).amax_history
+            new = old.new_zeros(rows, old.shape[1])
+            new[:current] = old
+            setattr(self, _buffer_name(d, "amax_history"), new)
+
+    # ------------------------------------------------------------------ checkpointing
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        """Return the metadata as a schema payload of CPU tensors (see ``docs/schema.md``).
+
+        One device-to-host transfer at most and no device-wide synchronize. A module on
+        ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
+        """
+        state = self.fp8_state()
+        if state.fwd.scale.device.type == "meta":
+            return {k: torch.empty_like(v, device="meta") for k, v in pack(
+                _as_cpu_placeholder(state)).items()}
+        return pack(state)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Validate ``state`` fully, then copy it onto the module's own device.
+
+        A history with another number of rows than the module's is zero-padded (fewer rows) or
+        grows the buffers (more rows), with one warning. A module still on ``meta`` takes the
+        payload's tensors' device, as ``load_state_dict(assign=True)`` does for parameters.
+
+        Raises:
+            SchemaError: the payload is invalid; the module is unchanged.
+            SchemaVersionError: the payload's schema version is unknown or too new.
+        """
+        pending = self._fp8_pending_load
+        if pending is not None and pending[0] is state:
+            validated = pending[1]  # validated by _load_from_state_dict a moment ago
+        else:
+            try:
+                validated = self._fp8_validate(state)
+            except FP8StateError as err:
+                raise err.under(f"{type(self).__name__}.{_EXTRA_STATE_KEY}") from None
+        self._fp8_apply(validated)
+
+    def _fp8_validate(self, state: Any) -> FP8State:
+        return unpack(state, num_gemms=self._require_meta())
+
+    @torch.no_grad()
+    def _fp8_apply(self, state: FP8State) -> None:
+        rows_mod = self.fp8_meta("fwd").amax_history.shape[0]
+        rows_ck = state.rows
+        if rows_ck != rows_mod:
+            warnings.warn(
+                f"{type(self).__name__}: checkpoint amax history has {rows_ck} rows, the module "
+                f"{rows_mod}; {'zero-padding' if rows_ck < rows_mod else 'growing the buffer'} "
+                f"to {max(rows_ck, rows_mod)} rows, nothing dropped.",
+                stacklevel=3,
+            )
+        rows = max(rows_ck, rows_mod)
+        for d in DIRECTIONS:
+            src = state.direction(d)
+            live = self.fp8_meta(d)
+            materialize = live.scale.device.type == "meta" or rows != rows_mod
+            device = src.scale.device if live.scale.device.type == "meta" else live.scale.device
+            for field in ScalingBuffers._fields:
+                value = getattr(src, field)
+                target = getattr(live, field)
+                if materialize:
+                    shape = (rows, value.shape[1]) if field == "amax_history" else value.shape
+                    target = torch.zeros(shape, dtype=torch.float32, device=device)
+                    setattr(self, _buffer_name(d, field), target)
+                if field == "amax_history" and rows_ck < rows:
+                    target[rows_ck:].zero_()
+                    target = target[:rows_ck]
+                target.copy_(value)
+        self.fp8_recipe = state.recipe
+        self._fp8_new_step = {d: True for d in DIRECTIONS}
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + _EXTRA_STATE_KEY
+        if key in state_dict:
+            try:
+                validated = self._fp8_validate(state_dict[key])
+            except FP8StateError as err:
+                raise err.under(key) from None
+            self._fp8_pending_load = (state_dict[key], validated)
+        try:
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                error_msgs,
+            )
+        finally:
+            self._fp8_pending_load = None
+
+
+def _as_cpu_placeholder(state: FP8State) -> FP8State:
+    """Zeros on CPU shaped like ``state`` (for the shapes of a meta module's payload)."""
+
+    def empty(d: DirectionState) -> DirectionState:
+        return DirectionState(*(torch.zeros(t.shape) for t in (d.amax_history, d.scale,
+                                                                d.scale_inv)))
+
+    return FP8State(empty(state.fwd), empty(state.bwd), state.recipe)
