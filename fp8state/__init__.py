@@ -1,9 +1,14 @@
 """fp8state: FP8 training for PyTorch with boringly correct checkpoints."""
 
+import importlib
+from typing import Any
+
 from fp8state import errors
 from fp8state._version import __version__
+from fp8state.autocast import fp8_autocast, is_fp8_enabled
 from fp8state.formats import Format
 from fp8state.mixin import FP8StateMixin
+from fp8state.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from fp8state.recipe import DelayedScaling
 
 __all__ = [
@@ -12,4 +17,22 @@ __all__ = [
     "Format",
     "DelayedScaling",
     "FP8StateMixin",
+    "Linear",
+    "LayerNorm",
+    "RMSNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "fp8_autocast",
+    "is_fp8_enabled",
+    "migrate",
+    "checkpoint",
 ]
+
+# Sub-packages with heavier imports load on first attribute access (`fp8state.migrate`).
+_LAZY_SUBMODULES = ("migrate", "checkpoint")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"fp8state.{name}")
+    raise AttributeError(f"module 'fp8state' has no attribute {name!r}")

@@ -18,7 +18,7 @@ Load order: PyTorch's ``_load_from_state_dict`` copies parameters, then calls
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -72,6 +72,8 @@ class FP8StateMixin(nn.Module):
     # Class-level defaults so a subclass that forgets init_fp8_meta gets a clear error.
     _fp8_num_gemms: int | None = None
     _fp8_pending_load: tuple[object, FP8State] | None = None
+    #: Backend of the module's last FP8 GEMM ("scaled_mm" or "emulated"); "none" before any.
+    fp8_last_gemm_backend: str = "none"
 
     def init_fp8_meta(
         self,
@@ -112,21 +114,22 @@ class FP8StateMixin(nn.Module):
             device = first.device if first is not None else torch.device("cpu")
         for d in DIRECTIONS:
             n = num_gemms * slots_per_gemm(d)
-            f32 = {"dtype": torch.float32, "device": device}
-            self.register_buffer(
-                _buffer_name(d, "amax_history"), torch.zeros(history_rows, n, **f32),
-                persistent=False,
-            )
-            self.register_buffer(_buffer_name(d, "scale"), torch.ones(n, **f32), persistent=False)
-            self.register_buffer(
-                _buffer_name(d, "scale_inv"), torch.ones(n, **f32), persistent=False
-            )
+            initial = {
+                "amax_history": torch.zeros(history_rows, n, dtype=torch.float32, device=device),
+                "scale": torch.ones(n, dtype=torch.float32, device=device),
+                "scale_inv": torch.ones(n, dtype=torch.float32, device=device),
+            }
+            for field, tensor in initial.items():
+                self.register_buffer(_buffer_name(d, field), tensor, persistent=False)
         self._fp8_num_gemms = num_gemms
         self.fp8_recipe: DelayedScaling = recipe or DelayedScaling(
             amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
         )
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
+        # A recipe window longer than the buffer would make get_extra_state() write a payload
+        # that set_extra_state() refuses (window > rows): grow now, with the one warning.
+        self._fp8_ensure_rows(self.fp8_recipe.amax_history_len)
 
     # ------------------------------------------------------------------ metadata access
     @property
@@ -153,6 +156,22 @@ class FP8StateMixin(nn.Module):
                 "Call self.init_fp8_meta(num_gemms=...) in the module's __init__.",
             )
         return self._fp8_num_gemms
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """Move the FP8 buffers with the module, but keep them float32.
+
+        ``.half()`` and ``.to(torch.bfloat16)`` convert every floating-point buffer; FP8
+        metadata must stay float32 (the schema requires it, and a bf16 scale is not the scale
+        that was computed). Device moves (``.to(device)``, ``.cuda()``, ``to_empty()``) apply.
+        """
+        names = [_buffer_name(d, f) for d in DIRECTIONS for f in ScalingBuffers._fields]
+        before = {name: self._buffers.get(name) for name in names}
+        result = super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        return result
 
     # ------------------------------------------------------------------ delayed scaling
     @torch.no_grad()

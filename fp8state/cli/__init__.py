@@ -60,5 +60,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FP8STATE_ERROR
 
 
-if __name__ == "__main__":  # pragma: no cover - `python -m fp8state.cli`
-    sys.exit(main())

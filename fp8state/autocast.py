@@ -1,0 +1,184 @@
+"""``fp8_autocast``: where FP8 compute is on, and when scales update.
+
+Timing, as in TransformerEngine:
+
+1. Inside the context, FP8 modules quantize with their current (delayed) scales and record
+   amaxes into row 0 of their histories (:meth:`FP8StateMixin.fp8_record_amax`).
+2. When the *outermost* context exits, the forward amaxes of every module that ran are reduced
+   over ``fp8_group`` in one collective and the forward scales updated.
+3. When the backward pass finishes (an autograd-engine callback queued by the first FP8
+   backward of the pass), the same happens for backward, over the group captured at forward.
+
+The context stack is thread-local (like ``torch.autocast``). The backward registry is shared,
+behind a lock, because autograd runs backward on its own threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fp8state.amax_reduction import PendingSteps, reduce_and_update
+from fp8state.backends import BACKENDS
+from fp8state.errors import ConfigError
+from fp8state.recipe import DelayedScaling
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from fp8state.mixin import FP8StateMixin
+
+__all__ = ["fp8_autocast", "FP8Context", "active_context", "is_fp8_enabled"]
+
+
+@dataclass(frozen=True)
+class FP8Context:
+    """What an ``fp8_autocast`` asked for; modules capture it at forward time."""
+
+    enabled: bool
+    calibrating: bool
+    recipe: DelayedScaling
+    group: ProcessGroup | None
+    gemm_backend: str
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[FP8Context] = []
+        self.fwd_pending: PendingSteps | None = None
+
+
+_THREAD = _ThreadState()
+
+
+class _BackwardRegistry:
+    """Modules whose backward recorded amaxes in the running backward pass."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending = PendingSteps()
+        self.callback_queued = False
+
+    def register(self, module: FP8StateMixin, ctx: FP8Context) -> None:
+        with self.lock:
+            self.pending.add(module, ctx.recipe, ctx.group)
+            queue = not self.callback_queued
+            self.callback_queued = True
+        if queue:
+            # Runs once the whole backward pass is done, whatever the graph's shape.
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, PendingSteps()
+            self.callback_queued = False
+        reduce_and_update("bwd", pending)
+
+
+_BACKWARD = _BackwardRegistry()
+
+
+def active_context() -> FP8Context | None:
+    """The innermost ``fp8_autocast`` if it enables FP8 compute or calibration, else None."""
+    stack = _THREAD.stack
+    if stack and (stack[-1].enabled or stack[-1].calibrating):
+        return stack[-1]
+    return None
+
+
+def is_fp8_enabled() -> bool:
+    """True inside an ``fp8_autocast(enabled=True)`` (TE's ``is_fp8_enabled``)."""
+    ctx = active_context()
+    return ctx is not None and ctx.enabled
+
+
+def register_forward(module: FP8StateMixin, ctx: FP8Context) -> None:
+    """Note that ``module`` recorded forward amaxes in the current outermost context."""
+    pending = _THREAD.fwd_pending
+    if pending is None:  # pragma: no cover - active_context() implies an open context
+        raise RuntimeError("register_forward outside fp8_autocast")
+    pending.add(module, ctx.recipe, ctx.group)
+
+
+def register_backward(module: FP8StateMixin, ctx: FP8Context) -> None:
+    """Note that ``module`` recorded backward amaxes in the running backward pass."""
+    _BACKWARD.register(module, ctx)
+
+
+class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a function
+    """Enable FP8 compute for fp8state modules in the ``with`` body.
+
+    Args:
+        enabled: Compute GEMMs in FP8. ``False`` (or outside any context) means every module
+            computes exactly what its high-precision PyTorch counterpart computes.
+        calibrating: Record amaxes (and update scales at exit) while computing in high
+            precision; backward records nothing.
+        fp8_recipe: The recipe; default ``DelayedScaling()``.
+        fp8_group: Process group over which amaxes are reduced (max) at the end of the step.
+            ``None`` means the default group when ``torch.distributed`` is initialized, as in
+            TE; nothing is reduced in a single process.
+        gemm_backend: ``"auto"`` (``torch._scaled_mm`` where the device supports FP8 GEMMs,
+            the emulation elsewhere), ``"emulated"`` (force emulation) or ``"scaled_mm"``
+            (fail where it cannot run).
+
+    Contexts nest; each restores the previous state on exit, also when the body raises.
+    Scales update only when the outermost context exits.
+
+    Example:
+        >>> import torch, fp8state
+        >>> layer = fp8state.Linear(16, 16)
+        >>> with fp8state.fp8_autocast(fp8_recipe=fp8state.DelayedScaling(amax_history_len=4)):
+        ...     y = layer(torch.randn(4, 16))
+        >>> bool(layer.fp8_meta("fwd").amax_history[0, 0] > 0)
+        True
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        calibrating: bool = False,
+        fp8_recipe: DelayedScaling | None = None,
+        fp8_group: ProcessGroup | None = None,
+        *,
+        gemm_backend: str = "auto",
+    ) -> None:
+        if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
+            raise ConfigError(
+                "fp8_autocast(fp8_recipe=...)", type(fp8_recipe).__name__,
+                "an fp8state.DelayedScaling", "Build the recipe with fp8state.DelayedScaling.",
+            )
+        if gemm_backend not in BACKENDS:
+            raise ConfigError(
+                "fp8_autocast(gemm_backend=...)", repr(gemm_backend), f"one of {BACKENDS}",
+                "Pass gemm_backend='auto'.",
+            )
+        self._ctx = FP8Context(
+            enabled=bool(enabled), calibrating=bool(calibrating),
+            recipe=fp8_recipe or DelayedScaling(), group=fp8_group, gemm_backend=gemm_backend,
+        )
+        self._entered = False
+
+    def __enter__(self) -> fp8_autocast:
+        if self._entered:
+            raise ConfigError(
+                "fp8_autocast", "a context entered twice", "one `with` per instance",
+                "Create a new fp8_autocast(...) for each `with` block.",
+            )
+        self._entered = True
+        if not _THREAD.stack:
+            _THREAD.fwd_pending = PendingSteps()
+        _THREAD.stack.append(self._ctx)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            _THREAD.stack.pop()
+            if not _THREAD.stack:
+                pending, _THREAD.fwd_pending = _THREAD.fwd_pending, None
+                if pending is not None:
+                    reduce_and_update("fwd", pending)
+        finally:
+            self._entered = False

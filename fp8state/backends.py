@@ -1,0 +1,104 @@
+"""FP8 GEMM backends: ``torch._scaled_mm`` on FP8-capable GPUs, an emulation everywhere else.
+
+Both take the same FP8 operands and inverse scales, so the scaling math is shared and CPU tests
+cover everything but the kernel. The choice is explicit: ``fp8_autocast(gemm_backend=...)``
+asks for ``"auto"`` (the default), ``"emulated"`` or ``"scaled_mm"``; :func:`resolve_backend`
+says what runs and why, and every FP8 module records the backend of its last GEMM in
+``module.fp8_last_gemm_backend``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fp8state.errors import ConfigError
+from fp8state.quantize import dequantize
+
+__all__ = ["BACKENDS", "scaled_mm_support", "resolve_backend", "fp8_gemm"]
+
+BACKENDS = ("auto", "emulated", "scaled_mm")
+
+# torch._scaled_mm needs the inner and output dimensions to be multiples of 16.
+_SCALED_MM_ALIGN = 16
+
+
+@functools.cache
+def _cuda_support(index: int) -> tuple[bool, str]:
+    if not hasattr(torch, "_scaled_mm"):
+        return False, f"torch {torch.__version__} has no torch._scaled_mm"
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < (8, 9):
+        return False, f"cuda:{index} has compute capability {major}.{minor} < 8.9 (no FP8 GEMM)"
+    return True, f"cuda:{index} has compute capability {major}.{minor} >= 8.9"
+
+
+def scaled_mm_support(device: torch.device) -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` can run on ``device``, and why (or why not)."""
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_support(index)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """The backend that runs for ``requested`` on ``device``.
+
+    Raises:
+        ConfigError: ``requested`` is unknown, or ``"scaled_mm"`` where it cannot run.
+    """
+    if requested not in BACKENDS:
+        raise ConfigError(
+            "gemm_backend", repr(requested), f"one of {BACKENDS}", "Pass gemm_backend='auto'."
+        )
+    if requested == "emulated":
+        return "emulated"
+    ok, reason = scaled_mm_support(device)
+    if requested == "scaled_mm" and not ok:
+        raise ConfigError(
+            "gemm_backend", f"'scaled_mm' requested, but {reason}",
+            "a CUDA device with compute capability >= 8.9",
+            "Use gemm_backend='auto' or 'emulated' on this device.",
+        )
+    return "scaled_mm" if ok else "emulated"
+
+
+def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape[1] % _SCALED_MM_ALIGN == 0 and b.shape[1] % _SCALED_MM_ALIGN == 0
+
+
+def fp8_gemm(
+    a_fp8: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_fp8: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> tuple[torch.Tensor, str]:
+    """``(a * a_scale_inv) @ (b * b_scale_inv)`` for FP8 ``a (M, K)`` and ``b (K, N)``.
+
+    Args:
+        a_fp8: Row operand, FP8.
+        a_scale_inv: Its inverse scale (0-d or 1-element float32).
+        b_fp8: Column operand, FP8 (any memory layout; made column-major for the kernel).
+        b_scale_inv: Its inverse scale.
+        out_dtype: dtype of the result.
+        backend: ``"scaled_mm"`` or ``"emulated"`` (from :func:`resolve_backend`).
+
+    Returns:
+        The product and the backend that computed it: ``"scaled_mm"`` falls back to
+        ``"emulated"`` for shapes the kernel cannot take (dimensions not multiples of 16).
+    """
+    if backend == "scaled_mm" and _fits_scaled_mm(a_fp8, b_fp8):
+        out = torch._scaled_mm(
+            a_fp8.contiguous(),
+            b_fp8.t().contiguous().t(),  # column-major, as the kernel requires
+            scale_a=a_scale_inv.reshape(()).to(torch.float32),
+            scale_b=b_scale_inv.reshape(()).to(torch.float32),
+            out_dtype=out_dtype,
+        )
+        return out, "scaled_mm"
+    a_hp = dequantize(a_fp8, a_scale_inv, torch.float32)
+    b_hp = dequantize(b_fp8, b_scale_inv, torch.float32)
+    return (a_hp @ b_hp).to(out_dtype), "emulated"

@@ -1,0 +1,176 @@
+"""The demo behind ``fp8state demo``: train in FP8, checkpoint mid-way, resume, compare bitwise.
+
+A small model (residual LayerNormMLP blocks and a Linear head) learns a synthetic regression
+task under ``fp8_autocast``. The run saves model and optimizer with ``torch.save`` half-way;
+a fresh model (on a second GPU when there is one) loads that file with
+``torch.load(weights_only=True)`` and trains the second half again. The two loss curves of the
+second half must be equal bit for bit: everything that affects the numbers, FP8 scaling
+metadata included, is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fp8state.autocast import fp8_autocast
+from fp8state.modules import LayerNormMLP, Linear
+from fp8state.recipe import DelayedScaling
+
+__all__ = ["DemoConfig", "DemoModel", "DemoResult", "run_demo", "train_steps", "pick_devices"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and schedule of the demo (defaults run in seconds on a CPU)."""
+
+    steps: int = 200
+    hidden: int = 64
+    ffn: int = 256
+    blocks: int = 2
+    out_dim: int = 16
+    batch: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    recipe: DelayedScaling = field(default_factory=lambda: DelayedScaling(amax_history_len=16))
+
+
+class DemoModel(nn.Module):
+    """Residual LayerNormMLP blocks followed by a Linear head."""
+
+    def __init__(self, cfg: DemoConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            LayerNormMLP(cfg.hidden, cfg.ffn, device=device) for _ in range(cfg.blocks)
+        )
+        self.head = Linear(cfg.hidden, cfg.out_dim, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Blocks with residual connections, then the head."""
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _batch(cfg: DemoConfig, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch, the same on every device and in every run (seeded by step)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    teacher = torch.Generator().manual_seed(cfg.seed)
+    proj = torch.randn(cfg.hidden, cfg.out_dim, generator=teacher) / cfg.hidden**0.5
+    x = torch.randn(cfg.batch, cfg.hidden, generator=gen)
+    y = torch.tanh(2 * x @ proj)
+    return x.to(device), y.to(device)
+
+
+def build(cfg: DemoConfig, device: torch.device) -> tuple[DemoModel, torch.optim.Optimizer]:
+    """A freshly initialized model and its optimizer on ``device``."""
+    torch.manual_seed(cfg.seed)
+    model = DemoModel(cfg).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+
+def train_steps(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    cfg: DemoConfig,
+    steps: range,
+    device: torch.device,
+    on_step: Callable[[int, float], None] | None = None,
+    fp8: bool = True,
+) -> list[float]:
+    """Train over ``steps`` (global step numbers) and return the losses.
+
+    ``fp8=False`` trains the same model in high precision (the reference curve).
+    """
+    losses = []
+    for step in steps:
+        x, y = _batch(cfg, step, device)
+        with fp8_autocast(enabled=fp8, fp8_recipe=cfg.recipe):
+            pred = model(x)
+        loss = torch.nn.functional.mse_loss(pred.float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses
+
+
+def pick_devices(device: str | None = None, resume_device: str | None = None
+                 ) -> tuple[torch.device, torch.device]:
+    """Training device (a GPU when there is one) and resume device (another GPU if any)."""
+    train = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if resume_device is not None:
+        return train, torch.device(resume_device)
+    if train.type == "cuda" and torch.cuda.device_count() > 1:
+        index = train.index or 0
+        return train, torch.device(f"cuda:{(index + 1) % torch.cuda.device_count()}")
+    return train, train
+
+
+@dataclass
+class DemoResult:
+    """What the demo measured."""
+
+    train_device: str
+    resume_device: str
+    backend: str
+    steps_per_s: float
+    losses: list[float]
+    resumed_losses: list[float]
+    checkpoint_bytes: int
+    scales: dict[str, list[float]]
+
+    @property
+    def resume_exact(self) -> bool:
+        """The resumed curve equals the uninterrupted one bit for bit."""
+        half = len(self.losses) - len(self.resumed_losses)
+        return self.losses[half:] == self.resumed_losses
+
+
+def run_demo(
+    cfg: DemoConfig,
+    device: torch.device,
+    resume_device: torch.device,
+    progress: Callable[[int, float], None] | None = None,
+) -> DemoResult:
+    """Train ``cfg.steps`` steps with a checkpoint half-way, resume it, and compare."""
+    half = cfg.steps // 2
+    model, opt = build(cfg, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "checkpoint.pt")
+        start = time.perf_counter()
+        losses = train_steps(model, opt, cfg, range(half), device, progress)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        losses += train_steps(model, opt, cfg, range(half, cfg.steps), device, progress)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        fresh, fresh_opt = build(cfg, resume_device)
+        ckpt = torch.load(path, weights_only=True, map_location="cpu")
+        fresh.load_state_dict(ckpt["model"])
+        fresh_opt.load_state_dict(ckpt["optimizer"])
+        resumed = train_steps(fresh, fresh_opt, cfg, range(half, cfg.steps), resume_device,
+                              progress)
+        size = os.path.getsize(path)
+    head = model.head
+    return DemoResult(
+        train_device=str(device),
+        resume_device=str(resume_device),
+        backend=head.fp8_last_gemm_backend,
+        steps_per_s=cfg.steps / elapsed,
+        losses=losses,
+        resumed_losses=resumed,
+        checkpoint_bytes=size,
+        scales={
+            "head fwd (input, weight)": head.fp8_meta("fwd").scale[:2].tolist(),
+            "head bwd (grad_output)": head.fp8_meta("bwd").scale[:1].tolist(),
+        },
+    )

@@ -1,0 +1,57 @@
+"""Parameter helpers shared by the modules: nn.Linear's initialization and norm dispatch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8state.errors import ConfigError
+
+__all__ = ["NORMALIZATIONS", "check_normalization", "new_param", "reset_linear_", "normalize"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(module_name: str, normalization: str) -> None:
+    """Raise ConfigError unless ``normalization`` is ``"LayerNorm"`` or ``"RMSNorm"``."""
+    if normalization not in NORMALIZATIONS:
+        raise ConfigError(
+            f"{module_name}(normalization=...)", repr(normalization), f"one of {NORMALIZATIONS}",
+            "Pass normalization='LayerNorm' or 'RMSNorm' (TE's spelling).",
+        )
+
+
+def new_param(
+    *shape: int, dtype: torch.dtype | None, device: torch.device | str | None
+) -> nn.Parameter:
+    """An uninitialized parameter (filled by the module's ``reset_parameters``)."""
+    return nn.Parameter(
+        torch.empty(*shape, dtype=dtype or torch.get_default_dtype(), device=device)
+    )
+
+
+@torch.no_grad()
+def reset_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Initialize like ``nn.Linear.reset_parameters``, so our modules are drop-in replacements."""
+    if weight.device.type == "meta":
+        return
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+def normalize(
+    x: torch.Tensor,
+    normalization: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """LayerNorm or RMSNorm over the last dimension, exactly as ``torch.nn`` computes them."""
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)

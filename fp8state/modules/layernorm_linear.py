@@ -1,0 +1,74 @@
+"""``fp8state.LayerNormLinear``: a norm followed by an FP8 linear layer (TE's names)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8state.mixin import FP8StateMixin
+from fp8state.modules import _fp8_linear
+from fp8state.modules._params import check_normalization, new_param, normalize, reset_linear_
+
+__all__ = ["LayerNormLinear"]
+
+
+class LayerNormLinear(FP8StateMixin):
+    """``linear(norm(x))``; the norm in high precision, the GEMM in FP8 under ``fp8_autocast``.
+
+    State-dict keys are TE's: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
+    ``weight (out, in)``, ``bias`` (absent when ``bias=False``), ``_extra_state``.
+
+    Args:
+        in_features: Size of the last input dimension (the normalized one).
+        out_features: Size of the last output dimension.
+        eps: Norm epsilon.
+        bias: Learn an additive bias for the linear part.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        params_dtype: dtype of the parameters.
+        device: Device of parameters and FP8 metadata.
+        return_layernorm_output: Also return the norm's output, as TE can.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        return_layernorm_output: bool = False,
+    ) -> None:
+        super().__init__()
+        check_normalization("LayerNormLinear", normalization)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.eps = eps
+        self.normalization = normalization
+        self.return_layernorm_output = return_layernorm_output
+        self.layer_norm_weight = new_param(in_features, dtype=params_dtype, device=device)
+        self.layer_norm_bias = (
+            new_param(in_features, dtype=params_dtype, device=device)
+            if normalization == "LayerNorm" else None
+        )
+        self.weight = new_param(out_features, in_features, dtype=params_dtype, device=device)
+        self.bias = new_param(out_features, dtype=params_dtype, device=device) if bias else None
+        self.reset_parameters()
+        self.init_fp8_meta(num_gemms=1, device=device)
+
+    def reset_parameters(self) -> None:
+        """Norm weight 1 and bias 0; the linear part as ``nn.Linear``."""
+        if self.layer_norm_weight.device.type != "meta":
+            nn.init.ones_(self.layer_norm_weight)
+            if self.layer_norm_bias is not None:
+                nn.init.zeros_(self.layer_norm_bias)
+        reset_linear_(self.weight, self.bias)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Apply norm and linear layer to ``inp (..., in_features)``."""
+        normed = normalize(
+            inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
+        out = _fp8_linear.linear(self, normed, self.weight, self.bias, gemm=0)
+        return (out, normed) if self.return_layernorm_output else out

@@ -1,0 +1,39 @@
+"""Pure FP8 cast functions: high precision -> FP8 with a scale, FP8 -> high precision, amax.
+
+Shared by both GEMM backends, so the emulation on CPU runs exactly the scaling math the
+``torch._scaled_mm`` path runs on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tensor_amax", "quantize", "dequantize"]
+
+
+def tensor_amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as a 0-d float32 tensor (0 for an empty tensor)."""
+    if x_hp.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x_hp.device)
+    return x_hp.detach().abs().amax().to(torch.float32)
+
+
+def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in ``fp8_dtype``.
+
+    Values beyond the FP8 range are clamped to its maximum (a plain cast would give NaN for
+    E4M3, which has no infinity). NaN stays NaN.
+
+    Args:
+        x_hp: High-precision tensor.
+        scale: 0-d or 1-element float32 scale of the tensor's slot.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+    """
+    fp8_max = torch.finfo(fp8_dtype).max
+    scaled = x_hp.to(torch.float32) * scale.reshape(())
+    return scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def dequantize(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x_fp8 * scale_inv`` in ``dtype`` (computed in float32)."""
+    return (x_fp8.to(torch.float32) * scale_inv.reshape(())).to(dtype)
