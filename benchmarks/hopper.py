@@ -1,0 +1,197 @@
+"""fp8state against bf16 PyTorch, measured side by side in one run; prints one JSON object.
+
+Usage (on an H200; the recorded run is benchmarks/results/h200.json)::
+
+    python benchmarks/hopper.py --out benchmarks/results/h200.json
+
+``--quick`` runs tiny shapes (on CPU too) so the script itself is tested in CI; its numbers mean
+nothing. Ratios are ``bf16 time / fp8state time`` (> 1: fp8state is faster), both measured in
+the same process on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fp8state
+from fp8state.amax_reduction import PendingSteps, reduce_and_update
+from fp8state.quantize import quantize, tensor_amax
+
+LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
+                 (8192, 8192, 8192)]
+SMALL_SHAPE = (2048, 1024, 1024)
+MLP = (16384, 4096, 16384)  # tokens, hidden, ffn
+QUANT_SHAPE = (16384, 4096)
+N_MODULES = 1000
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn`` in milliseconds (synchronized around each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
+             ) -> Callable[[], None]:
+    def step() -> None:
+        with fp8state.fp8_autocast(enabled=fp8):
+            y = module(x)
+        y.backward(grad)
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+    return step
+
+
+def _ratio(bf16: nn.Module, fp8: nn.Module, tokens: int, k: int, n: int, device, args
+           ) -> dict[str, float | None]:
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+    t_bf16 = time_ms(_fwd_bwd(bf16, x, grad, False), device, args.warmup, args.iters)
+    t_fp8 = time_ms(_fwd_bwd(fp8, x, grad, True), device, args.warmup, args.iters)
+    return {"bf16_ms": t_bf16, "fp8_ms": t_fp8, "ratio": t_bf16 / t_fp8}
+
+
+def bench_linear(shape, device, args) -> dict[str, float]:
+    """fwd+bwd of nn.Linear (bf16) against fp8state.Linear under fp8_autocast."""
+    tokens, k, n = shape
+    bf16 = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+    fp8 = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device=device)
+    return _ratio(bf16, fp8, tokens, k, n, device, args)
+
+
+def _peak_mb(step: Callable[[], None], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None  # no allocator statistics on CPU
+    step()
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def bench_mlp(device, args) -> dict[str, float | None]:
+    """LayerNormMLP against nn.LayerNorm + 2 nn.Linear + GELU(tanh), time and peak memory."""
+    tokens, hidden, ffn = args.mlp
+    bf16 = nn.Sequential(
+        nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.GELU(approximate="tanh"),
+        nn.Linear(ffn, hidden),
+    ).to(device=device, dtype=torch.bfloat16)
+    fp8 = fp8state.LayerNormMLP(hidden, ffn, params_dtype=torch.bfloat16, device=device)
+    result = _ratio(bf16, fp8, tokens, hidden, hidden, device, args)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    result["bf16_peak_mb"] = _peak_mb(_fwd_bwd(bf16, x, grad, False), device)
+    result["fp8_peak_mb"] = _peak_mb(_fwd_bwd(fp8, x, grad, True), device)
+    bf16_mb, fp8_mb = result["bf16_peak_mb"], result["fp8_peak_mb"]
+    result["peak_mem_ratio"] = fp8_mb / bf16_mb if fp8_mb and bf16_mb else None
+    return result
+
+
+def bench_quantize(device, args) -> dict[str, float]:
+    """quantize+amax of a bf16 tensor against the bytes-moved bound at measured copy bandwidth."""
+    x = torch.randn(*args.quant_shape, device=device, dtype=torch.bfloat16)
+    scale = torch.tensor(1.0, device=device)
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(big)
+    copy_ms = time_ms(lambda: dst.copy_(big), device, args.warmup, args.iters)
+    bandwidth = 2 * big.numel() / (copy_ms * 1e-3)  # bytes read + written per second
+
+    def quant() -> None:
+        tensor_amax(x)
+        quantize(x, scale, torch.float8_e4m3fn)
+
+    t = time_ms(quant, device, args.warmup, args.iters)
+    bound_ms = (x.numel() * (2 + 1)) / bandwidth * 1e3  # read bf16, write fp8
+    return {"ms": t, "bound_ms": bound_ms, "copy_GBps": bandwidth / 1e9, "ratio": t / bound_ms}
+
+
+def bench_metadata(device, args) -> dict[str, float]:
+    """state_dict / load_state_dict / scale update of many FP8 Linear modules after training."""
+    model = nn.ModuleList(fp8state.Linear(16, 16, device=device) for _ in range(args.modules))
+    x = torch.randn(16, 16, device=device)
+    for _ in range(2):
+        with fp8state.fp8_autocast():
+            out = sum(m(x).sum() for m in model)
+        out.backward()
+    sd_ms = time_ms(model.state_dict, device, 1, 5)
+    state = model.state_dict()
+    load_ms = time_ms(lambda: model.load_state_dict(state), device, 1, 5)
+    pending = PendingSteps()
+    recipe = fp8state.DelayedScaling()
+    for m in model:
+        pending.add(m, recipe, None)
+    update_ms = time_ms(lambda: reduce_and_update("fwd", pending), device, 2, 10)
+    return {"state_dict_ms": sd_ms, "load_state_dict_ms": load_ms, "scale_update_ms": update_ms}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run every benchmark and return (and print) the JSON object."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to test the script")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.warmup, args.iters = (1, 2) if args.quick else (5, 20)
+    shapes = [(64, 32, 48)] if args.quick else LINEAR_SHAPES
+    small = (32, 32, 32) if args.quick else SMALL_SHAPE
+    args.mlp = (64, 32, 64) if args.quick else MLP
+    args.quant_shape = (64, 32) if args.quick else QUANT_SHAPE
+    args.modules = 10 if args.quick else N_MODULES
+    linear = {"x".join(map(str, s)): bench_linear(s, device, args) for s in shapes}
+    small_res = bench_linear(small, device, args)
+    mlp = bench_mlp(device, args)
+    quant = bench_quantize(device, args)
+    meta = bench_metadata(device, args)
+    result = {
+        "linear_speedup": {k: round(v["ratio"], 3) for k, v in linear.items()},
+        "small_linear_speedup": round(small_res["ratio"], 3),
+        "layernorm_mlp_speedup": round(mlp["ratio"], 3),
+        "layernorm_mlp_peak_mem_ratio": (round(mlp["peak_mem_ratio"], 3)
+                                         if mlp["peak_mem_ratio"] is not None else None),
+        "quantize_bound_ratio": round(quant["ratio"], 3),
+        "state_dict_1000_ms": round(meta["state_dict_ms"], 2),
+        "load_state_dict_1000_ms": round(meta["load_state_dict_ms"], 2),
+        "scale_update_ms": round(meta["scale_update_ms"], 3),
+        "details": {"linear": linear, "small_linear": small_res, "layernorm_mlp": mlp,
+                    "quantize": quant, "metadata": meta, "modules": args.modules},
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        "command": "python benchmarks/hopper.py " + " ".join(argv if argv is not None
+                                                             else sys.argv[1:]),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
