@@ -259,7 +259,20 @@ class FP8StateMixin(nn.Module):
         self._fp8_apply(validated)
 
     def _fp8_validate(self, state: Any) -> FP8State:
-        return unpack(state, num_gemms=self._require_meta())
+        num_gemms = self._require_meta()
+        if not (isinstance(state, Mapping) and "schema_version" in state):
+            # A TransformerEngine value of any era: decoded without TE and without running
+            # pickled code (docs/migration.md). Imported here: fp8state payloads never need it.
+            from fp8state.migrate import decode_te_extra_state
+            from fp8state.schema import default_payload
+
+            state = decode_te_extra_state(state, num_gemms=num_gemms)
+            if state is None:
+                # TE saved no FP8 state (FP8 never ran, or a stateless recipe): load fresh
+                # metadata (zero history, scales 1) and keep the module's recipe and rows.
+                rows = self.fp8_meta("fwd").amax_history.shape[0]
+                state = default_payload(num_gemms, rows=rows, recipe=self.fp8_recipe)
+        return unpack(state, num_gemms=num_gemms)
 
     @torch.no_grad()
     def _fp8_apply(self, state: FP8State) -> None:

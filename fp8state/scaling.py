@@ -76,8 +76,18 @@ def scale_from_amax(
     Returns:
         ``(n_slots,)`` float32, finite and > 0 wherever ``prev_scale`` is.
     """
-    # Same operation order as the documented formula, so tests can check it bit for bit.
-    scale = (fp8_max / amax) / (2.0**margin)
+    # Same operation order as the documented formula, so tests can check it bit for bit. A
+    # float divided by a tensor would run reciprocal(amax) * fp8_max (two roundings, one ulp off
+    # for about a quarter of amaxes), hence the tensor numerator: one IEEE float32 division.
+    scale = torch.full_like(amax, fp8_max) / amax
+    # Then divide by 2**margin in power-of-two steps float32 can hold (exact while the result is
+    # normal); 2.0**margin itself is inf in float32 from margin 128 and a Python OverflowError from
+    # 1024. Past 2**300 every finite quotient is below FLOAT32_TINY, so the cap changes nothing.
+    remaining = min(margin, 300)
+    while remaining > 0:
+        step = min(remaining, 126)
+        scale = scale / (2.0**step)
+        remaining -= step
     scale = scale.clamp(min=FLOAT32_TINY, max=FLOAT32_MAX)  # inf from tiny amax -> float32 max
     usable = (amax > 0) & torch.isfinite(amax)
     return torch.where(usable, scale, prev_scale)

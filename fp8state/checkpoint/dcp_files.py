@@ -1,0 +1,170 @@
+"""Read a ``torch.distributed.checkpoint`` (DCP) folder in one process, without a model.
+
+For tools (``fp8state inspect``, ``fp8state consolidate``) and for users who want a DCP
+checkpoint as a plain state dict. DCP flattens nested dicts on save (``blocks.0._extra_state``
+becomes ``blocks.0._extra_state.fwd.scale``, ...); what is read here is nested again, so an
+fp8state extra state comes back as the flat ``dict[str, Tensor]`` its module wrote.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from fp8state.errors import CheckpointError
+
+__all__ = ["DCPEntry", "is_dcp_checkpoint", "read_dcp_metadata", "load_dcp_state_dict"]
+
+_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint.filesystem writes this name
+
+
+@dataclass(frozen=True)
+class DCPEntry:
+    """One stored item of a DCP checkpoint, as its metadata describes it (no data read).
+
+    Attributes:
+        key: The flat key DCP stored (``"blocks.0._extra_state.fwd.scale"``).
+        path: The same key as a path into the nested state dict
+            (``("blocks.0._extra_state", "fwd.scale")``).
+        shape: The global shape of a tensor; None for a pickled non-tensor item.
+        dtype: The tensor's dtype; None for a non-tensor item.
+    """
+
+    key: str
+    path: tuple[str | int, ...]
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a folder holding a DCP checkpoint (it has a ``.metadata`` file)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, _METADATA_FILE))
+
+
+def _require_dcp(path: str | os.PathLike[str]) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No such file or directory: {os.fspath(path)!r}")
+    if not is_dcp_checkpoint(path):
+        raise CheckpointError(
+            os.fspath(path),
+            "a file" if os.path.isfile(path) else f"a folder without {_METADATA_FILE}",
+            "a torch.distributed.checkpoint folder",
+            "Pass the folder dcp.save wrote; read a torch.save file with "
+            "fp8state.checkpoint.load.",
+        )
+
+
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """DCP's own :class:`Metadata` of the checkpoint in ``path``."""
+    _require_dcp(path)
+    try:
+        return dcp.FileSystemReader(os.fspath(path)).read_metadata()
+    except Exception as err:  # DCP raises assorted pickle/EOF errors for a damaged file
+        raise CheckpointError(
+            os.path.join(os.fspath(path), _METADATA_FILE),
+            f"an unreadable metadata file ({type(err).__name__}: {err})",
+            "the metadata dcp.save wrote", "The checkpoint is incomplete or corrupt.",
+        ) from err
+
+
+def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
+    """List what a DCP checkpoint stores, reading only its metadata file.
+
+    Args:
+        path: The checkpoint folder.
+
+    Returns:
+        One :class:`DCPEntry` per stored item, sorted by key.
+
+    Raises:
+        CheckpointError: ``path`` is not a DCP folder or its metadata is damaged.
+    """
+    md = read_metadata(path)
+    planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    entries = []
+    for key, item in md.state_dict_metadata.items():
+        tensor = isinstance(item, TensorStorageMetadata)
+        entries.append(DCPEntry(
+            key=key,
+            path=tuple(planner_data.get(key, (key,))),
+            shape=tuple(item.size) if tensor else None,
+            dtype=item.properties.dtype if tensor else None,
+        ))
+    return sorted(entries, key=lambda e: e.key)
+
+
+def load_dcp_state_dict(
+    path: str | os.PathLike[str], keys: set[str] | None = None
+) -> dict[str, Any]:
+    """Read a DCP checkpoint into one nested state dict of CPU tensors, in this process.
+
+    Works with or without an initialized process group (it never communicates). The whole
+    checkpoint is materialized in host memory; pass ``keys`` to read only some entries.
+
+    Args:
+        path: The checkpoint folder.
+        keys: Top-level keys (``"blocks.0.weight"``, ``"blocks.0._extra_state"``) to read;
+            None reads everything.
+
+    Returns:
+        The state dict as it was saved: ``_extra_state`` entries are fp8state's flat
+        ``dict[str, Tensor]`` again, sharded tensors are whole.
+
+    Raises:
+        CheckpointError: ``path`` is not a DCP folder, or reading it failed.
+
+    Example:
+        >>> import tempfile, torch, torch.distributed.checkpoint as dcp
+        >>> from fp8state.checkpoint import load_dcp_state_dict
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = dcp.save({"w": torch.ones(2), "m._extra_state": {"fwd.scale": torch.ones(3)}},
+        ...              checkpoint_id=folder, no_dist=True)
+        >>> sorted(load_dcp_state_dict(folder)["m._extra_state"])
+        ['fwd.scale']
+    """
+    _require_dcp(path)
+    try:
+        return _load_with_empty_planner(path, keys)
+    except ImportError:
+        # _EmptyStateDictLoadPlanner is private; if a torch release drops it, go through the
+        # public converter (one extra copy on disk) so reading keeps working.
+        if keys is not None:
+            raise
+        return _load_via_torch_save(path)
+
+
+def _load_with_empty_planner(path: str | os.PathLike[str], keys: set[str] | None) -> Any:
+    # Private but stable: torch's own public dcp_to_torch_save is exactly this call. The
+    # public dcp.load cannot do it: it copies the (empty) dict it is given and fills the copy.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state, storage_reader=dcp.FileSystemReader(os.fspath(path)),
+            planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True,
+        )
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        raise CheckpointError(
+            os.fspath(path), f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
+            "a complete DCP checkpoint",
+            "A shard file (*.distcp) is missing or damaged; copy the whole folder again.",
+        ) from err
+    return state
+
+
+def _load_via_torch_save(path: str | os.PathLike[str]) -> Any:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "consolidated.pt")
+        dcp_to_torch_save(path, out)
+        return torch.load(out, map_location="cpu", weights_only=True)

@@ -1,0 +1,249 @@
+"""Save and load models of fp8state modules with ``torch.distributed.checkpoint`` (DCP).
+
+FP8 metadata is not sharded: every rank holds a full copy of each module's ``_extra_state``
+(plain tensors, also under FSDP2), which DCP stores once. :func:`dcp_save` first checks that
+the ranks agree (:mod:`fp8state.checkpoint.replicated`). :func:`dcp_load` needs no custom
+planner: a checkpoint saved on N ranks loads on M ranks into a plain, DDP or FSDP2 model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from fp8state.checkpoint._entries import is_fp8_payload
+from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
+from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
+from fp8state.errors import CheckpointError, FP8StateError
+
+__all__ = ["dcp_save", "dcp_load"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _dcp_call(where: str, action: str) -> Iterator[None]:
+    """Run a DCP call: quiet when single-process, its failures as CheckpointError."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            # DCP warns it "assumes a single process" even when told so with no_dist=True.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except FP8StateError:
+            raise
+        except (Exception, CheckpointException) as err:
+            # CheckpointException is a BaseException: `except Exception` in user code would
+            # not see it, so it is turned into the error this library documents.
+            raise CheckpointError(
+                where, f"DCP failed to {action} ({type(err).__name__}: {err})",
+                f"DCP to {action} the checkpoint",
+                "Check the folder is complete and readable (or writable) on every rank.",
+            ) from err
+
+
+def dcp_save(
+    model: nn.Module,
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    key: str | None = None,
+    check_replicated: bool = True,
+    storage_writer: Any = None,
+) -> Metadata:
+    """Save ``model`` with DCP, after checking its FP8 metadata agrees across ranks.
+
+    Collective: every rank of ``process_group`` calls it. The state dict is
+    ``get_model_state_dict(model)``: canonical keys (no DDP ``module.`` prefix), DTensor
+    shards for FSDP2 parameters, and each FP8 module's extra state as plain CPU tensors.
+
+    Args:
+        model: Plain, DDP or FSDP2 (``fully_shard``) model.
+        checkpoint_id: The folder to write.
+        process_group: DCP's process group (None: the default group).
+        key: Store the model under this key (``{"model": ...}``) instead of at the top level.
+        check_replicated: Run :func:`check_fp8_metadata_replicated` first (one small
+            collective over ``process_group``).
+        storage_writer: Passed to ``dcp.save`` (default: a ``FileSystemWriter``).
+
+    Returns:
+        DCP's metadata of the written checkpoint.
+
+    Raises:
+        DistributedStateError: ranks disagree on some module's FP8 metadata; nothing was
+            written.
+        CheckpointError: DCP failed to write.
+
+    Example:
+        >>> import tempfile, torch, fp8state
+        >>> from fp8state.checkpoint import dcp_load, dcp_save
+        >>> class One(fp8state.FP8StateMixin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.randn(2, 2))
+        ...         self.init_fp8_meta(num_gemms=1, history_rows=4)
+        >>> folder = tempfile.mkdtemp()
+        >>> saved = One()
+        >>> _ = dcp_save(saved, folder)
+        >>> loaded = One()
+        >>> dcp_load(loaded, folder)
+        <All keys matched successfully>
+        >>> torch.equal(loaded.weight, saved.weight)
+        True
+    """
+    sd = get_model_state_dict(model)
+    if check_replicated:
+        check_fp8_metadata_replicated(sd, group=process_group)
+    state = sd if key is None else {key: sd}
+    with _dcp_call(os.fspath(checkpoint_id), "write"):
+        return dcp.save(
+            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+            process_group=process_group, no_dist=not _distributed(),
+        )
+
+
+@dataclass
+class _Plan:
+    """The model's state dict matched against the checkpoint's metadata."""
+
+    extra: dict[str, Any] = field(default_factory=dict)  # FP8 payload templates
+    rest: dict[str, Any] = field(default_factory=dict)  # parameters, buffers, other state
+    mismatched: list[FP8StateError] = field(default_factory=list)
+    missing: list[FP8StateError] = field(default_factory=list)
+
+
+def _stored(md: Metadata, key: str | None) -> dict[str, dict[tuple, Any]]:
+    """``{top-level key: {sub-path: storage metadata}}`` of what the checkpoint holds."""
+    planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    depth = 0 if key is None else 1
+    stored: dict[str, dict[tuple, Any]] = {}
+    for flat, item in md.state_dict_metadata.items():
+        # The default planner records each flat key's path into the nested dict.
+        path = tuple(planner_data.get(flat, (flat,)))
+        if key is not None and (not path or path[0] != key):
+            continue
+        if len(path) > depth:
+            stored.setdefault(str(path[depth]), {})[path[depth + 1:]] = item
+    return stored
+
+
+def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
+    stored = _stored(md, key)
+    plan = _Plan()
+    for name, value in sd.items():
+        items = stored.get(name)
+        if items is None:
+            plan.missing.append(CheckpointError(
+                name, "no such key in the checkpoint", "every key of the model (strict=True)",
+                "Load a checkpoint of this model, or pass strict=False.",
+            ))
+        elif is_fp8_payload(value):
+            # Shaped like the checkpoint's payload, not the fresh model's: a history saved
+            # with other row counts (or an older schema) loads, and the module adapts it.
+            plan.extra[name] = {
+                str(sub[0]): torch.empty(item.size, dtype=item.properties.dtype)
+                for sub, item in items.items()
+                if len(sub) == 1 and isinstance(item, TensorStorageMetadata)
+            }
+        elif isinstance(value, torch.Tensor):
+            item = items.get(())
+            if not isinstance(item, TensorStorageMetadata):
+                plan.mismatched.append(CheckpointError(
+                    name, "a non-tensor item in the checkpoint", "a tensor",
+                    "The checkpoint was saved from another model.",
+                ))
+            elif tuple(item.size) != tuple(value.shape):
+                plan.mismatched.append(CheckpointError(
+                    name, f"shape {tuple(item.size)} in the checkpoint",
+                    f"shape {tuple(value.shape)} (the model's)",
+                    "Build the model with the configuration that saved the checkpoint.",
+                ))
+            else:
+                plan.rest[name] = value
+        else:
+            plan.rest[name] = value
+    return plan
+
+
+def _raise_if(problems: list[FP8StateError], model: nn.Module, what: str) -> None:
+    if problems:
+        raise StateDictError(
+            keys_of(problems), summarize(problems),
+            f"a checkpoint whose {what} fit {type(model).__name__}",
+            "Nothing was loaded; the model is unchanged.", problems,
+        )
+
+
+def dcp_load(
+    model: nn.Module,
+    checkpoint_id: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    process_group: Any = None,
+    key: str | None = None,
+    storage_reader: Any = None,
+) -> Any:
+    """Load a DCP checkpoint into ``model``, whatever the number of ranks that saved it.
+
+    Collective: every rank of ``process_group`` calls it. DCP reads parameters *in place*,
+    so everything that can be checked is checked before it reads them:
+
+    1. The checkpoint's metadata against ``get_model_state_dict(model)``: missing keys
+       (``strict``) and shape mismatches, all reported at once.
+    2. The FP8 extra states are read into fresh CPU tensors and validated; on a problem the
+       model is still unchanged.
+    3. Parameters and buffers are read: each rank gets its own shards of FSDP2 parameters,
+       full copies of everything else.
+    4. :func:`fp8state.checkpoint.load_state_dict` loads it all; FP8 metadata lands on each
+       module's own device.
+
+    Args:
+        model: Plain, DDP or FSDP2 model, built (or ``to_empty``-materialized) like the saver.
+        checkpoint_id: The checkpoint folder.
+        strict: Require every key of the model in the checkpoint (extra keys in the checkpoint,
+            e.g. an optimizer's, are ignored).
+        process_group: DCP's process group (None: the default group).
+        key: The key the model was stored under (``dcp_save(..., key="model")``).
+        storage_reader: Passed to ``dcp.load`` (default: a ``FileSystemReader``).
+
+    Returns:
+        The missing and unexpected keys, as ``load_state_dict`` returns them.
+
+    Raises:
+        StateDictError: missing keys, shape mismatches or invalid FP8 extra state; the model
+            is unchanged.
+        CheckpointError: DCP failed to read the folder.
+    """
+    where = os.fspath(checkpoint_id)
+    reader = storage_reader or dcp.FileSystemReader(where)
+    with _dcp_call(where, "read"):
+        md = reader.read_metadata()
+    plan = _plan(get_model_state_dict(model), md, key)
+    _raise_if(plan.mismatched + (plan.missing if strict else []), model, "keys and shapes")
+
+    def read(part: dict[str, Any]) -> None:
+        if part:
+            with _dcp_call(where, "read"):
+                dcp.load(part if key is None else {key: part}, storage_reader=reader,
+                         process_group=process_group, no_dist=not _distributed())
+
+    read(plan.extra)
+    _, problems = validate_state_dict(model, plan.extra, strict=False)
+    _raise_if(problems, model, "FP8 extra states")
+    read(plan.rest)
+    return load_state_dict(model, {**plan.rest, **plan.extra}, strict=strict)

@@ -1,0 +1,162 @@
+"""Read a ``torch.save`` checkpoint safely: weights only, onto the CPU, with errors that say why.
+
+:func:`load` is ``torch.load(weights_only=True, map_location="cpu")`` plus what a user needs when
+it fails: a TransformerEngine checkpoint is recognised and pointed at ``fp8state migrate``, a
+pickle that asks for code is refused by name, and a distributed-checkpoint folder is pointed at
+the functions that read it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from typing import IO, Any
+
+import torch
+
+from fp8state.checkpoint._entries import iter_extra_states
+from fp8state.errors import CheckpointError, LegacyFormatError, UnsafeCheckpointError
+
+__all__ = ["load", "find_legacy_extra_states"]
+
+_MIGRATE_FIX = (
+    "Convert it once with `fp8state migrate IN OUT` (or fp8state.migrate.load_te_checkpoint"
+    "(path) in Python), then load the converted file."
+)
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# TransformerEngine dict keys of the v0.3-v1.13 extra state, and the v2 recipe key.
+_TE_DICT_KEYS = frozenset({"scale_fwd", "amax_history_fwd", "recipe", "extra_fp8_variables"})
+_PICKLE_PROTO = 0x80  # first byte of a pickle of protocol 2 or newer
+
+
+def _te_era(value: object) -> str | None:
+    """Name the TransformerEngine extra-state form ``value`` looks like, or None."""
+    if value is None:
+        return "None (TransformerEngine <= 0.5, FP8 never used)"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items (TransformerEngine 0.1-0.2)"
+    if isinstance(value, Mapping) and "schema_version" not in value:
+        if _TE_DICT_KEYS & {k for k in value if isinstance(k, str)}:
+            return "a dict of TransformerEngine FP8 metadata (TransformerEngine 0.3-0.5)"
+        return None
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        if value.numel() == 0:
+            return "an empty uint8 tensor (TransformerEngine >= 2.4, FP8 unused)"
+        if int(value[0]) == _PICKLE_PROTO:
+            return "a uint8 tensor of pickled bytes (TransformerEngine 0.6-0.11 or >= 2.0)"
+    return None
+
+
+def find_legacy_extra_states(obj: object) -> dict[str, str]:
+    """Return ``{key: description}`` of every TransformerEngine-style ``_extra_state`` in ``obj``.
+
+    Only forms TransformerEngine wrote are reported (pickled uint8 tensors, lists, dicts of
+    ``scale_fwd``..., ``None``); another library's extra state is left alone.
+    """
+    found = {}
+    for key, value in iter_extra_states(obj):
+        era = _te_era(value)
+        if era is not None:
+            found[key] = era
+    return found
+
+
+def _describe(path: object) -> str:
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else f"<{type(path).__name__}>"
+
+
+def _unpickling_error(where: str, err: pickle.UnpicklingError) -> Exception:
+    match = _GLOBAL.search(str(err))
+    if match is None:
+        return CheckpointError(
+            where, f"a file the weights-only unpickler cannot read ({str(err).splitlines()[0]})",
+            "a torch.save file of tensors and plain containers",
+            "The file is corrupt or was not written by torch.save.",
+        )
+    name = match.group(1)
+    if name in ("_io.BytesIO", "io.BytesIO"):
+        return LegacyFormatError(
+            where, "io.BytesIO extra states (a TransformerEngine 0.12-1.13 checkpoint)",
+            "an fp8state checkpoint (tensors only)", _MIGRATE_FIX,
+        )
+    return UnsafeCheckpointError(
+        where, f"a pickled reference to the Python global {name}",
+        "tensors and plain containers only (fp8state never pickles objects)",
+        "Nothing was executed. If this is a TransformerEngine checkpoint, convert it with "
+        "`fp8state migrate IN OUT`; otherwise only torch.load(weights_only=False) reads it, "
+        "which runs code from the file: do that only if you trust its source.",
+    )
+
+
+def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") -> Any:
+    """Load a checkpoint written with ``torch.save``, never executing code from it.
+
+    Args:
+        path: A file path or a binary file object.
+        map_location: Where tensors go, as in ``torch.load``. The default ``"cpu"`` keeps
+            loading off every GPU: ``fp8state.checkpoint.load_state_dict`` (or
+            ``model.load_state_dict``) then copies each tensor onto its module's device.
+            ``None`` restores tensors where they were saved, which allocates on the saving
+            GPU (PyTorch's rule); fp8state's own extra state is on the CPU either way.
+
+    Returns:
+        What was saved (usually a state dict).
+
+    Raises:
+        LegacyFormatError: a TransformerEngine checkpoint; the message points at
+            ``fp8state migrate``.
+        UnsafeCheckpointError: the pickle references a Python global outside torch's
+            weights-only allow-list; nothing was run.
+        CheckpointError: a corrupt or truncated file, a distributed-checkpoint folder, or a
+            tensor saved on a device this machine lacks (with ``map_location=None``).
+        FileNotFoundError: ``path`` does not exist.
+
+    Example:
+        >>> import io, torch, fp8state
+        >>> buf = io.BytesIO()
+        >>> torch.save({"w": torch.ones(2)}, buf)
+        >>> _ = buf.seek(0)
+        >>> fp8state.checkpoint.load(buf)["w"].device
+        device(type='cpu')
+    """
+    where = _describe(path)
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        from fp8state.checkpoint.dcp_files import is_dcp_checkpoint
+
+        if is_dcp_checkpoint(path):
+            raise CheckpointError(
+                where, "a torch.distributed.checkpoint (DCP) folder", "a torch.save file",
+                "Load it into a model with fp8state.checkpoint.dcp_load(model, path), read it "
+                "with fp8state.checkpoint.load_dcp_state_dict(path), or convert it with "
+                "`fp8state consolidate DIR OUT`.",
+            )
+        raise CheckpointError(
+            where, "a folder", "a torch.save file", "Pass the checkpoint file inside it."
+        )
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise _unpickling_error(where, err) from err
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        # torch reports a damaged archive as RuntimeError, OSError (EINVAL) or EOFError.
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "deserialize object on a CUDA device" in first or "CUDA device" in first:
+            fix = "Leave map_location at its default 'cpu', or name a device this machine has."
+        else:
+            fix = "The file is truncated or corrupt; save it again or use an earlier copy."
+        raise CheckpointError(where, f"an unreadable file ({first})", "a torch.save file",
+                              fix) from err
+    legacy = find_legacy_extra_states(obj)
+    if legacy:
+        first_key, era = next(iter(legacy.items()))
+        more = f" and {len(legacy) - 1} more" if len(legacy) > 1 else ""
+        raise LegacyFormatError(
+            f"{where}: {first_key}{more}",
+            f"TransformerEngine extra state: {era}",
+            "fp8state extra state (a dict of tensors with a schema_version)", _MIGRATE_FIX,
+        )
+    return obj

@@ -1,0 +1,232 @@
+"""Load a state dict into a model only after every key, shape and FP8 extra state checked out.
+
+``nn.Module.load_state_dict`` copies module by module and raises at the end, so a bad checkpoint
+leaves a half-loaded model behind, and its FP8 errors stop at the first module. Here everything
+is checked first and reported together; the model is touched only when nothing is wrong.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
+from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.errors import CheckpointError, FP8StateError
+from fp8state.mixin import FP8StateMixin
+
+__all__ = ["load_state_dict", "validate_state_dict"]
+
+try:  # DTensor is in every torch this package supports; the guard keeps odd builds importable.
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+    distribute_tensor = None  # type: ignore[assignment]
+
+
+def _is_dtensor(value: object) -> bool:
+    return DTensor is not None and isinstance(value, DTensor)
+
+
+def _missing(key: str) -> CheckpointError:
+    return CheckpointError(
+        key, "no such key in the state dict", "a value for every key of the model (strict=True)",
+        "Load a checkpoint of this model, or pass strict=False to load the keys that are there.",
+    )
+
+
+def _unexpected(key: str) -> CheckpointError:
+    return CheckpointError(
+        key, "a key the model does not have", "only the model's keys (strict=True)",
+        "Check that the model is built like the one that saved the checkpoint, or pass "
+        "strict=False to ignore extra keys.",
+    )
+
+
+def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, CheckpointError | None]:
+    """Check a parameter's or buffer's value; return it (DTensor-ized if needed) or a problem."""
+    live = entry.tensor()
+    assert live is not None  # params and buffers always have a tensor
+    if not isinstance(value, torch.Tensor):
+        return value, CheckpointError(
+            entry.key, f"a {type(value).__name__}", "a torch.Tensor",
+            "The checkpoint is corrupt or not a state dict of this model.",
+        )
+    if nn.parameter.is_lazy(live):
+        return value, None  # a lazy module takes the checkpoint's shape, as in PyTorch
+    if tuple(value.shape) != tuple(live.shape):
+        return value, CheckpointError(
+            entry.key, f"shape {tuple(value.shape)}", f"shape {tuple(live.shape)} (the model's)",
+            "Build the model with the configuration that saved the checkpoint.",
+        )
+    if value.device.type == "meta":
+        return value, CheckpointError(
+            entry.key, "a tensor on the meta device (it holds no data)", "a tensor with data",
+            "Load the checkpoint file itself, not a state_dict() of a model built on 'meta'.",
+        )
+    if live.device.type == "meta" and not assign:
+        return value, CheckpointError(
+            entry.key, "a model tensor on the meta device (copying into it is a no-op)",
+            "a materialized model",
+            "Call model.to_empty(device=...) before loading, or pass assign=True.",
+        )
+    if _is_dtensor(live) and not _is_dtensor(value):
+        # A full tensor for a sharded parameter (e.g. a consolidated file loaded on every
+        # rank): each rank keeps its own shard, without communication (src_data_rank=None).
+        local = value.to(live.to_local().device)
+        return distribute_tensor(
+            local, live.device_mesh, live.placements, src_data_rank=None
+        ), None
+    if _is_dtensor(value) and not _is_dtensor(live):
+        return value, CheckpointError(
+            entry.key, "a DTensor (a sharded state dict)", "a plain tensor, like the model's",
+            "Load a sharded checkpoint with fp8state.checkpoint.dcp_load, or call "
+            "full_tensor() on its values first.",
+        )
+    return value, None
+
+
+def _check_extra(entry: Entry, value: Any) -> CheckpointError | FP8StateError | None:
+    if not isinstance(entry.module, FP8StateMixin):
+        return None  # another library's extra state: its own set_extra_state judges it
+    try:
+        entry.module._fp8_validate(value)
+    except FP8StateError as err:
+        return err.under(entry.key)
+    return None
+
+
+def validate_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    assign: bool = False,
+) -> tuple[OrderedDict[str, Any], list[FP8StateError]]:
+    """Check ``state_dict`` against ``model`` without changing either.
+
+    Keys may be spelled as ``model.state_dict()`` does or as ``get_model_state_dict(model)``
+    does (without DDP's ``module.`` and similar wrapper segments).
+
+    Args:
+        model: The model to load into.
+        state_dict: A flat state dict (``torch.load`` of a ``torch.save(model.state_dict())``
+            file, or what DCP filled in).
+        strict: Report missing and unexpected keys, as ``load_state_dict(strict=True)`` does.
+        assign: The ``assign`` that will be passed to ``load_state_dict`` (a model still on
+            ``meta`` is fine with ``assign=True``).
+
+    Returns:
+        The state dict keyed as ``model.state_dict()`` keys it (full tensors for sharded
+        parameters turned into DTensors) and the list of problems, empty when it fits.
+    """
+    resolver = KeyResolver(model_entries(model))
+    out: OrderedDict[str, Any] = OrderedDict()
+    problems: list[FP8StateError] = []
+    for key, value in state_dict.items():
+        entry = resolver.resolve(key) if isinstance(key, str) else None
+        if entry is None:
+            if strict:
+                problems.append(_unexpected(str(key)))
+            out[key] = value
+            continue
+        if entry.key in out:
+            problems.append(CheckpointError(
+                key, f"a second value for {entry.key!r}",
+                "each key once (model spelling or canonical spelling, not both)",
+                "Remove one of the duplicate keys.",
+            ))
+            continue
+        if entry.kind == "extra":
+            problem = _check_extra(entry, value)
+        else:
+            value, problem = _check_tensor(entry, value, assign)
+        if problem is not None:
+            problems.append(problem)
+        out[entry.key] = value
+    if strict:
+        problems += [_missing(e.key) for e in resolver.entries if e.key not in out]
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = _translate_metadata(model, metadata)  # type: ignore[attr-defined]
+    return out, problems
+
+
+def _translate_metadata(model: nn.Module, metadata: Mapping[str, Any]) -> Any:
+    """Re-key ``state_dict._metadata`` (per-module versions) to the model's module names."""
+    names = {}
+    for prefix, canonical, _ in walk_modules(model, "", ""):
+        names.setdefault(canonical.rstrip("."), prefix.rstrip("."))
+        names[prefix.rstrip(".")] = prefix.rstrip(".")
+    out = OrderedDict()
+    for key, value in metadata.items():
+        out[names.get(key, key)] = value
+    return out
+
+
+def load_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+    *,
+    assign: bool = False,
+) -> Any:
+    """Validate all of ``state_dict`` against ``model``, then load it.
+
+    1. Every FP8 module's extra state is validated (schema, GEMM count, values), every
+       parameter and buffer checked for presence (``strict``), type and shape.
+    2. If anything is wrong, :class:`StateDictError` lists every problem (module names and
+       what is wrong) and the model is unchanged.
+    3. Otherwise ``model.load_state_dict`` runs; FP8 metadata lands on each module's own
+       device, whatever device the state dict's tensors are on.
+
+    Args:
+        model: The model, plain or wrapped (DDP, FSDP2 ``fully_shard``, ``torch.compile``).
+        state_dict: Flat state dict; keys as ``model.state_dict()`` or as
+            ``get_model_state_dict(model)`` spells them. A full (unsharded) state dict also
+            loads into an FSDP2 model: each rank keeps its shard.
+        strict: As in ``nn.Module.load_state_dict``.
+        assign: As in ``nn.Module.load_state_dict``.
+
+    Returns:
+        ``load_state_dict``'s named tuple of missing and unexpected keys.
+
+    Raises:
+        StateDictError: (a :class:`~fp8state.errors.CheckpointError`) listing every problem.
+
+    Example:
+        >>> import torch, fp8state
+        >>> from fp8state.checkpoint import load_state_dict
+        >>> class One(fp8state.FP8StateMixin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.ones(2, 2))
+        ...         self.init_fp8_meta(num_gemms=1, history_rows=4)
+        >>> model = torch.nn.Sequential(One(), One())
+        >>> sd = model.state_dict()
+        >>> sd["0._extra_state"]["fwd.scale"][0] = -1.0
+        >>> del sd["1.weight"]
+        >>> try:
+        ...     load_state_dict(model, sd)
+        ... except fp8state.errors.CheckpointError as err:
+        ...     print([p.key for p in err.problems])
+        ["0._extra_state['fwd.scale']", '1.weight']
+    """
+    if not isinstance(state_dict, Mapping):
+        raise CheckpointError(
+            "state_dict", f"a {type(state_dict).__name__}", "a mapping of keys to tensors",
+            "Pass what fp8state.checkpoint.load (or torch.load) returned for a state dict.",
+        )
+    translated, problems = validate_state_dict(model, state_dict, strict=strict, assign=assign)
+    if problems:
+        raise StateDictError(
+            keys_of(problems), summarize(problems),
+            f"a state dict that fits {type(model).__name__} in every key",
+            "Nothing was loaded; the model is unchanged. Fix the keys listed above.",
+            problems,
+        )
+    return model.load_state_dict(translated, strict=strict, assign=assign)

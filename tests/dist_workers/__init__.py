@@ -1,0 +1,1 @@
+"""Models and per-rank workers that the checkpoint tests spawn in separate processes."""

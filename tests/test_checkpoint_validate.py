@@ -1,0 +1,233 @@
+"""fp8state.checkpoint.load_state_dict: everything checked first, all problems reported at once,
+the model untouched on error; FP8 metadata ends on the module's own device."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_workers import models
+
+import fp8state.checkpoint as ckpt
+from fp8state.checkpoint import StateDictError
+from fp8state.errors import CheckpointError, FP8StateError, SchemaVersionError
+from fp8state.schema import default_payload
+
+# torch.compile's wrapper (used for canonical keys) imports code that warns about torch.jit.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
+
+def _trained(kind: str = "mixin", seed: int = 1, salt: int = 1) -> torch.nn.Module:
+    model = models.build(kind, seed=seed)
+    models.fill_fp8(model, salt)
+    return model
+
+
+def _live(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (FP8 buffers included), cloned."""
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(),
+                                               *model.named_buffers()]}
+
+
+def _assert_live_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def _broken_state() -> dict[str, Any]:
+    state = copy.deepcopy(_trained(seed=2, salt=2).state_dict())
+    state["inp._extra_state"]["fwd.scale"][1] = float("nan")  # invalid value
+    state["mlp._extra_state"] = default_payload(num_gemms=1, rows=16)  # a 1-GEMM payload
+    state["out._extra_state"]["schema_version"] = torch.tensor(99)  # from the future
+    state["out.weight"] = torch.zeros(3, 3)  # wrong shape
+    del state["norm.weight"]  # missing
+    state["head.weight"] = torch.zeros(1)  # unexpected
+    return state
+
+
+def test_every_problem_is_reported_and_the_model_is_unchanged() -> None:
+    model = _trained()
+    before = _live(model)
+    recipe = {n: m.fp8_recipe for n, m in models.fp8_modules(model).items()}
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, _broken_state())
+    err = info.value
+    assert isinstance(err, CheckpointError)
+    assert [p.key for p in err.problems] == [
+        "inp._extra_state['fwd.scale']",
+        "mlp._extra_state['fwd.scale']",
+        "out.weight",
+        "out._extra_state['schema_version']",
+        "head.weight",
+        "norm.weight",
+    ]
+    assert isinstance(err.problems[3], SchemaVersionError)
+    for problem in err.problems:
+        assert problem.key in str(err)
+    assert "unchanged" in err.fix
+    _assert_live_equal(_live(model), before)
+    assert {n: m.fp8_recipe for n, m in models.fp8_modules(model).items()} == recipe
+
+
+def test_plain_pytorch_would_have_half_loaded_the_model() -> None:
+    # Why load_state_dict exists: nn.Module.load_state_dict copies module by module.
+    model, source = _trained(), _trained(seed=2, salt=2)
+    state = source.state_dict()
+    state["out.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError):
+        model.load_state_dict(state)
+    torch.testing.assert_close(model.inp.weight, source.inp.weight)  # already overwritten
+    model = _trained()
+    before = _live(model)
+    with pytest.raises(StateDictError):
+        ckpt.load_state_dict(model, state)
+    _assert_live_equal(_live(model), before)
+
+
+def test_strict_false_ignores_keys_but_never_bad_metadata() -> None:
+    model = _trained()
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, _broken_state(), strict=False)
+    assert {p.key for p in info.value.problems} == {
+        "inp._extra_state['fwd.scale']", "mlp._extra_state['fwd.scale']", "out.weight",
+        "out._extra_state['schema_version']",
+    }
+    state = _trained(seed=2, salt=2).state_dict()
+    del state["norm.weight"]
+    state["head.weight"] = torch.zeros(1)
+    result = ckpt.load_state_dict(model, state, strict=False)
+    assert result.missing_keys == ["norm.weight"]
+    assert result.unexpected_keys == ["head.weight"]
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_valid_state_loads_every_value(kind: str) -> None:
+    source, model = _trained(kind, seed=3, salt=3), _trained(kind)
+    ckpt.load_state_dict(model, source.state_dict())
+    models.assert_same_state(models.full_state(model), models.full_state(source))
+    for name, module in models.fp8_modules(model).items():
+        assert module.fp8_recipe == models.fp8_modules(source)[name].fp8_recipe
+
+
+@pytest.mark.parametrize("kind", models.KINDS)
+def test_meta_model_materialized_with_to_empty_ends_with_checkpoint_values(
+    kind: str, tmp_path: Path
+) -> None:
+    source = _trained(kind, seed=4, salt=4)
+    torch.save(source.state_dict(), tmp_path / "ckpt.pt")
+    with torch.device("meta"):
+        model = models.Net(kind)
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    model.to_empty(device="cpu")
+    ckpt.load_state_dict(model, ckpt.load(tmp_path / "ckpt.pt"))
+    models.assert_same_state(models.full_state(model), models.full_state(source))
+    assert {b.device.type for b in model.buffers()} == {"cpu"}
+    assert set(models.buffer_placement(model).values()) == {("Tensor", "cpu")}
+
+
+def test_meta_model_without_to_empty_is_a_problem_unless_assign() -> None:
+    source = _trained(seed=4, salt=4)
+    with torch.device("meta"):
+        model = models.Net()
+    with pytest.raises(StateDictError, match="to_empty"):
+        ckpt.load_state_dict(model, source.state_dict())
+    ckpt.load_state_dict(model, source.state_dict(), assign=True)
+    models.assert_same_state(models.full_state(model), models.full_state(source))
+
+
+def test_meta_tensors_in_the_state_dict_are_a_problem() -> None:
+    with torch.device("meta"):
+        meta_model = models.Net()
+    state = meta_model.state_dict()
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(_trained(), state)
+    keys = {p.key for p in info.value.problems}
+    assert "inp.weight" in keys
+    assert any(k.startswith("inp._extra_state") for k in keys)
+
+
+def test_canonical_keys_load_into_a_wrapped_model() -> None:
+    # torch.compile's wrapper adds "_orig_mod." as DDP adds "module."; the keys of
+    # get_model_state_dict (and of a consolidated DCP file) have neither.
+    source, model = _trained(seed=5, salt=5), _trained()
+    wrapped = torch.compile(model)
+    assert next(iter(wrapped.state_dict())).startswith("_orig_mod.")
+    ckpt.load_state_dict(wrapped, source.state_dict())
+    models.assert_same_state(models.full_state(model), models.full_state(source))
+    with pytest.raises(StateDictError, match="_orig_mod.norm.weight"):
+        state = source.state_dict()
+        del state["norm.weight"]
+        ckpt.load_state_dict(wrapped, state)
+
+
+def test_state_dict_metadata_follows_the_translated_keys() -> None:
+    wrapped = torch.compile(_trained())
+    state = _trained(seed=5, salt=5).state_dict()
+    assert "norm" in state._metadata
+    translated, problems = ckpt.validate_state_dict(wrapped, state)
+    assert problems == []
+    assert "_orig_mod.norm" in translated._metadata
+    assert list(translated) == list(wrapped.state_dict())
+
+
+def test_a_key_given_twice_is_a_problem() -> None:
+    wrapped = torch.compile(_trained())
+    state = OrderedDict(_trained(seed=5).state_dict())
+    state["_orig_mod.inp.weight"] = state["inp.weight"].clone()
+    _, problems = ckpt.validate_state_dict(wrapped, state)
+    assert [p.key for p in problems] == ["_orig_mod.inp.weight"]
+
+
+def test_extra_state_on_another_device_lands_on_the_modules_device() -> None:
+    # "meta" stands in for a foreign device here: the payload is refused, never copied to it.
+    model = _trained()
+    state = model.state_dict()
+    state["inp._extra_state"] = {k: v.to("meta") for k, v in state["inp._extra_state"].items()}
+    with pytest.raises(StateDictError, match="meta"):
+        ckpt.load_state_dict(model, state)
+
+
+def test_no_cuda_call_is_made_anywhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fp8state touched CUDA while loading a CPU model")
+
+    for name in ("_lazy_init", "synchronize", "current_device", "set_device", "init"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    source = _trained(seed=6, salt=6)
+    torch.save(source.state_dict(), tmp_path / "a.pt")
+    model = _trained()
+    ckpt.load_state_dict(model, ckpt.load(tmp_path / "a.pt"))
+    ckpt.dcp_save(source, tmp_path / "dcp")
+    ckpt.dcp_load(model, tmp_path / "dcp")
+    ckpt.consolidate(tmp_path / "dcp", tmp_path / "b.pt")
+    ckpt.load_state_dict(model, ckpt.load(tmp_path / "b.pt"))
+    models.assert_same_state(models.full_state(model), models.full_state(source))
+
+
+def test_not_a_mapping_is_a_checkpoint_error() -> None:
+    with pytest.raises(CheckpointError, match="mapping"):
+        ckpt.load_state_dict(_trained(), [torch.ones(1)])  # type: ignore[arg-type]
+
+
+def test_the_error_survives_pickling_with_its_problems() -> None:
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(_trained(), _broken_state())
+    again = pickle.loads(pickle.dumps(info.value))
+    assert str(again) == str(info.value)
+    assert [p.key for p in again.problems] == [p.key for p in info.value.problems]
+    assert all(isinstance(p, FP8StateError) for p in again.problems)
+
+
+def test_long_problem_lists_are_shortened_in_the_message() -> None:
+    model = torch.nn.Sequential(*[models.OneGemm(2, 2) for _ in range(30)])
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, {})
+    assert len(info.value.problems) == 90  # weight, bias, _extra_state of each
+    assert "and 70 more" in str(info.value)
+    assert "(90 keys)" in info.value.key
