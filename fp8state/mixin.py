@@ -122,16 +122,30 @@ class FP8StateMixin(nn.Module):
             for field, tensor in initial.items():
                 self.register_buffer(_buffer_name(d, field), tensor, persistent=False)
         self._fp8_num_gemms = num_gemms
-        self.fp8_recipe: DelayedScaling = recipe or DelayedScaling(
-            amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
-        )
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
-        # A recipe window longer than the buffer would make get_extra_state() write a payload
-        # that set_extra_state() refuses (window > rows): grow now, with the one warning.
-        self._fp8_ensure_rows(self.fp8_recipe.amax_history_len)
+        self.fp8_recipe = recipe or DelayedScaling(
+            amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
+        )
 
     # ------------------------------------------------------------------ metadata access
+    @property
+    def fp8_recipe(self) -> DelayedScaling:
+        """The recipe of the module's last FP8 step (or load); saved in checkpoints."""
+        return self._fp8_recipe
+
+    @fp8_recipe.setter
+    def fp8_recipe(self, recipe: DelayedScaling) -> None:
+        if not isinstance(recipe, DelayedScaling):
+            raise ConfigError(
+                f"{type(self).__name__}.fp8_recipe", type(recipe).__name__,
+                "an fp8state.DelayedScaling", "Assign a DelayedScaling recipe.",
+            )
+        # A window longer than the buffer would make get_extra_state() write a payload that
+        # set_extra_state() refuses (window > rows): grow now, with the one warning.
+        self._fp8_ensure_rows(recipe.amax_history_len)
+        self._fp8_recipe = recipe
+
     @property
     def fp8_num_gemms(self) -> int:
         """Number of GEMMs declared in ``init_fp8_meta``."""
@@ -196,7 +210,7 @@ class FP8StateMixin(nn.Module):
             recipe: The recipe the step ran under; it becomes the module's ``fp8_recipe``.
         """
         recipe = recipe or self.fp8_recipe
-        self._fp8_ensure_rows(recipe.amax_history_len)
+        self.fp8_recipe = recipe  # grows the buffers first if the window needs more rows
         meta = self.fp8_meta(direction)
         scale, scale_inv = scaling.update_scale(
             meta.amax_history, meta.scale,
@@ -205,7 +219,6 @@ class FP8StateMixin(nn.Module):
         )
         meta.scale.copy_(scale)
         meta.scale_inv.copy_(scale_inv)
-        self.fp8_recipe = recipe
         self._fp8_new_step[direction] = True
 
     def _fp8_ensure_rows(self, rows: int) -> None:

@@ -631,3 +631,20 @@ def test_recipe_window_longer_than_buffer_grows_with_one_warning() -> None:
     fresh = TwoGemm(history_rows=10)
     fresh.load_state_dict(save_load(m.state_dict()))
     assert_state_equal(fresh, m)
+
+
+def test_assigning_a_longer_recipe_grows_the_history_so_saves_stay_loadable() -> None:
+    module = TwoGemm(history_rows=8)
+    with pytest.warns(UserWarning, match="from 8 to 32 rows"):
+        module.fp8_recipe = DelayedScaling(amax_history_len=32)
+    assert module.fp8_meta("fwd").amax_history.shape[0] == 32
+    fresh = TwoGemm(history_rows=8)
+    with pytest.warns(UserWarning, match="32 rows, the module 8"):
+        fresh.load_state_dict(module.state_dict())
+    assert fresh.fp8_recipe == module.fp8_recipe
+
+
+def test_assigning_a_non_recipe_is_refused() -> None:
+    module = TwoGemm()
+    with pytest.raises(FP8StateError, match="fp8_recipe"):
+        module.fp8_recipe = "max"  # type: ignore[assignment]

@@ -255,3 +255,14 @@ def _roundtrip(state_dict: dict):
     torch.save(state_dict, buf)
     buf.seek(0)
     return buf
+
+
+def test_functional_fp8_linear_checks_the_gemm_index() -> None:
+    from fp8state.functional import fp8_linear
+
+    layer = fp8state.Linear(HIDDEN, OUT)
+    x = torch.randn(4, HIDDEN)
+    torch.testing.assert_close(fp8_linear(layer, x, layer.weight, layer.bias),
+                               F.linear(x, layer.weight, layer.bias), atol=0, rtol=0)
+    with pytest.raises(ConfigError, match="gemm=1"):
+        fp8_linear(layer, x, layer.weight, gemm=1)
