@@ -24,7 +24,7 @@ from torch import nn
 
 import fp8state
 from fp8state.amax_reduction import PendingSteps, reduce_and_update
-from fp8state.quantize import quantize, tensor_amax
+from fp8state.quantize import finite_amax, quantize
 
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
                  (8192, 8192, 8192)]
@@ -122,7 +122,7 @@ def bench_quantize(device, args) -> dict[str, float]:
     bandwidth = 2 * big.numel() / (copy_ms * 1e-3)  # bytes read + written per second
 
     def quant() -> None:
-        tensor_amax(x)
+        finite_amax(x)
         quantize(x, scale, torch.float8_e4m3fn)
 
     t = time_ms(quant, device, args.warmup, args.iters)

@@ -16,9 +16,18 @@ import torch
 from fp8state.errors import ConfigError
 from fp8state.quantize import dequantize
 
-__all__ = ["BACKENDS", "scaled_mm_support", "resolve_backend", "fp8_gemm"]
+__all__ = [
+    "BACKENDS", "DEFAULT_MIN_GEMM_MACS", "scaled_mm_support", "resolve_backend", "fp8_gemm",
+    "min_gemm_macs",
+]
 
 BACKENDS = ("auto", "emulated", "scaled_mm")
+
+#: Below this many multiply-accumulates (tokens * in * out) a GEMM runs in high precision under
+#: fp8_autocast: casting costs more than FP8 saves. Measured on an H200 (docs/benchmarks.md):
+#: at 2048x1024x1024 (2**31) the FP8 GEMM alone is slower than bf16. The emulation exists for
+#: numerics, not speed, so it never falls back.
+DEFAULT_MIN_GEMM_MACS = {"scaled_mm": 2**32, "emulated": 0}
 
 # torch._scaled_mm needs the inner and output dimensions to be multiples of 16.
 _SCALED_MM_ALIGN = 16
@@ -64,6 +73,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return "scaled_mm" if ok else "emulated"
 
 
+def min_gemm_macs(backend: str, override: int | None) -> int:
+    """The fallback threshold for ``backend``: ``override`` if set, else the default."""
+    return DEFAULT_MIN_GEMM_MACS[backend] if override is None else override
+
+
 def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] % _SCALED_MM_ALIGN == 0 and b.shape[1] % _SCALED_MM_ALIGN == 0
 
@@ -75,8 +89,9 @@ def fp8_gemm(
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     backend: str,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, str]:
-    """``(a * a_scale_inv) @ (b * b_scale_inv)`` for FP8 ``a (M, K)`` and ``b (K, N)``.
+    """``(a * a_scale_inv) @ (b * b_scale_inv) + bias`` for FP8 ``a (M, K)`` and ``b (K, N)``.
 
     Args:
         a_fp8: Row operand, FP8.
@@ -85,20 +100,27 @@ def fp8_gemm(
         b_scale_inv: Its inverse scale.
         out_dtype: dtype of the result.
         backend: ``"scaled_mm"`` or ``"emulated"`` (from :func:`resolve_backend`).
+        bias: Optional ``(N,)`` high-precision bias, added to the result.
 
     Returns:
         The product and the backend that computed it: ``"scaled_mm"`` falls back to
         ``"emulated"`` for shapes the kernel cannot take (dimensions not multiples of 16).
     """
     if backend == "scaled_mm" and _fits_scaled_mm(a_fp8, b_fp8):
+        # The kernel fuses the bias only in the output dtype; otherwise add it afterwards.
+        fused_bias = bias if bias is not None and bias.dtype == out_dtype else None
         out = torch._scaled_mm(
-            a_fp8.contiguous(),
-            b_fp8.t().contiguous().t(),  # column-major, as the kernel requires
-            scale_a=a_scale_inv.reshape(()).to(torch.float32),
-            scale_b=b_scale_inv.reshape(()).to(torch.float32),
+            a_fp8.contiguous(),  # no copy when already row-major
+            b_fp8.t().contiguous().t(),  # column-major, as required; no copy when it is
+            scale_a=a_scale_inv.reshape(()),
+            scale_b=b_scale_inv.reshape(()),
+            bias=fused_bias,
             out_dtype=out_dtype,
         )
+        if bias is not None and fused_bias is None:
+            out = out + bias
         return out, "scaled_mm"
     a_hp = dequantize(a_fp8, a_scale_inv, torch.float32)
     b_hp = dequantize(b_fp8, b_scale_inv, torch.float32)
-    return (a_hp @ b_hp).to(out_dtype), "emulated"
+    out = (a_hp @ b_hp).to(out_dtype)
+    return (out if bias is None else out + bias), "emulated"

@@ -72,8 +72,13 @@ class FP8StateMixin(nn.Module):
     # Class-level defaults so a subclass that forgets init_fp8_meta gets a clear error.
     _fp8_num_gemms: int | None = None
     _fp8_pending_load: tuple[object, FP8State] | None = None
-    #: Backend of the module's last FP8 GEMM ("scaled_mm" or "emulated"); "none" before any.
+    #: Backend of the module's last GEMM under fp8_autocast: "scaled_mm", "emulated", or
+    #: "high_precision" (too small for FP8 to pay, see ``fp8_min_gemm_macs``); "none" before any.
     fp8_last_gemm_backend: str = "none"
+    #: GEMMs with fewer multiply-accumulates (tokens * in * out) run in high precision under
+    #: fp8_autocast. None: the backend's default (``fp8state.backends.DEFAULT_MIN_GEMM_MACS``);
+    #: 0: always FP8.
+    fp8_min_gemm_macs: int | None = None
 
     def init_fp8_meta(
         self,
@@ -124,6 +129,8 @@ class FP8StateMixin(nn.Module):
         self._fp8_num_gemms = num_gemms
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
+        #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
+        self.fp8_weight_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self.fp8_recipe = recipe or DelayedScaling(
             amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
         )
@@ -195,11 +202,21 @@ class FP8StateMixin(nn.Module):
         The first record after a scale update shifts the history down one row (a new step);
         later records in the same step keep the max in row 0 (micro-batches, recomputation).
         """
+        cell = self.fp8_amax_cell(direction, slot)
+        cell.copy_(scaling.record_amax(cell, amax))
+
+    @torch.no_grad()
+    def fp8_amax_cell(self, direction: str, slot: int) -> torch.Tensor:
+        """The 1-element history cell where ``slot`` records this step's amax (row 0).
+
+        Opens a new step first if the last scale update closed one (the history shifts down),
+        so a kernel can max-combine its amax straight into the returned view.
+        """
         hist = self.fp8_meta(direction).amax_history
         if self._fp8_new_step[direction]:
             hist.copy_(scaling.shift_history(hist))
             self._fp8_new_step[direction] = False
-        hist[0, slot] = scaling.record_amax(hist[0, slot], amax)
+        return hist[0, slot : slot + 1]
 
     @torch.no_grad()
     def fp8_update_scales(self, direction: str, recipe: DelayedScaling | None = None) -> None:
@@ -317,6 +334,7 @@ class FP8StateMixin(nn.Module):
                 target.copy_(value)
         self.fp8_recipe = state.recipe
         self._fp8_new_step = {d: True for d in DIRECTIONS}
+        self.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
 
     def _load_from_state_dict(
         self,

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tensor_amax", "quantize", "dequantize"]
+__all__ = ["finite_amax", "quantize", "dequantize"]
 
 
-def tensor_amax(x_hp: torch.Tensor) -> torch.Tensor:
-    """``max(|x|)`` as a 0-d float32 tensor (0 for an empty tensor)."""
+def finite_amax(x_hp: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` over the finite elements, as a 0-d float32 tensor (0 if there are none).
+
+    Infinities and NaNs (an overflowing step) are left out, so they neither freeze the scale
+    for a whole history window nor make the history invalid in a checkpoint.
+    """
     if x_hp.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x_hp.device)
-    return x_hp.detach().abs().amax().to(torch.float32)
+    magnitude = x_hp.detach().abs().to(torch.float32)
+    return torch.where(torch.isfinite(magnitude), magnitude, 0.0).amax()
 
 
 def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

@@ -97,8 +97,9 @@ def _good_gpu_run() -> dict[str, list[dict[str, Any]]]:
                     "after_torch_load_map_location_dev1": _fig(),
                     "after_plain_torch_load": _fig(alloc=512, reserved=2**21, ctx=True,
                                                    present=True)}}
-    split = {"returncode": 0, "pid": 3, "steps": {"fp8state_load": _step({
-        "equal": True, "by_stage": {"a": [["Tensor", "cuda:0"]], "b": [["Tensor", "cuda:1"]]}})},
+    split = {"returncode": 0, "pid": 3, "steps": {
+        "fp8state_load": _step({"a": [["Tensor", "cuda:0"]], "b": [["Tensor", "cuda:1"]]}),
+        "verify": _step({"equal": True})},
         "figures": {"before_load": _fig(alloc=4096, reserved=2**21, ctx=True),
                     "after_load": _fig(alloc=4096, reserved=2**21, ctx=True)}}
     refused = {"raised": True, "written": False}

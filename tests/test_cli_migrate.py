@@ -81,8 +81,14 @@ def test_failure_while_writing_leaves_no_partial_file(
 
     monkeypatch.setattr(writer.torch, "save", broken_save)
     dst = tmp_path / "out.pt"
-    with pytest.raises(OSError, match="No space"):
-        main(["migrate", str(LEGACY / "te_E08_v2.3_cpu_pickle.pt"), str(dst)])
+    code, _, err = _migrate(capsys, str(LEGACY / "te_E08_v2.3_cpu_pickle.pt"), str(dst))
+    assert code == 1 and "No space left on device" in err and err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_destination_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _migrate(capsys, str(LEGACY / "te_E08_v2.3_cpu_pickle.pt"), str(tmp_path))
+    assert code == 1 and err.startswith(f"fp8state migrate: error: {tmp_path}: ")
     assert not list(tmp_path.iterdir())
 
 

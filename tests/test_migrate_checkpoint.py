@@ -127,3 +127,20 @@ def test_progress_wrapper_sees_every_key() -> None:
 
     convert_te_state_dict(sd, progress=progress)
     assert seen == [len(sd)]
+
+
+@pytest.mark.parametrize("era", ["E01", "E04", "E06", "E09"])
+def test_legacy_torch_save_format_and_other_gpu_tags(era: str) -> None:
+    from te_gen.tepickle import saved_on
+
+    gen = build(era, [Module("a.", "Linear"), Module("b.", "LayerNormMLP")])
+    params = [v for k, v in gen.state_dict.items() if not k.endswith("_extra_state")]
+    buf = io.BytesIO()
+    with saved_on("cuda:3", params), saved_on("cuda:0", gen.on_gpu):
+        torch.save(gen.state_dict, buf, _use_new_zipfile_serialization=False)  # pre-1.6 format
+    buf.seek(0)
+    out, report = migrate_te_checkpoint(buf)
+    assert [e.action for e in report.entries] == ["converted", "converted"]
+    assert all("cuda:3" in e.locations for e in report.entries)
+    for key in ("a.weight", "b.fc2_weight"):
+        assert out[key].device.type == "cpu" and torch.equal(out[key], gen.state_dict[key])

@@ -121,6 +121,7 @@ CASES: dict[str, tuple[Callable[[], Any], int | None, str, str]] = {
                                             if k != "global_fp8_recompute_buffer"}), None,
                           "scale_fwd", "2 forward / 1 backward"),
     "non-string-key": (lambda: {1: torch.ones(1)}, None, "", "int"),
+    "none-key": (lambda: {**e07(), None: torch.ones(1)}, None, "", "NoneType"),
     "unknown-dict": (lambda: {"fwd.scale": torch.ones(3)}, None, "scale_fwd",
                      "fwd.scale"),
     "ops-fp8-state": (lambda: _pickled({"forward": {"scale_fwd": torch.ones(1)}}), None, "",

@@ -194,3 +194,19 @@ def test_transformer_engine_is_never_imported(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("OK") and not marker.exists()
+
+
+def test_pickled_backward_hooks_are_refused() -> None:
+    import collections
+
+    class Hooked:
+        def __reduce__(self) -> tuple[Any, ...]:
+            hooks = collections.OrderedDict([(0, collections.OrderedDict)])
+            return (torch._utils._rebuild_tensor_v2,
+                    (torch.ones(2).untyped_storage()._typed_storage(), 0, (2,), (1,), True,
+                     hooks))
+
+    sd_value = torch.frombuffer(bytearray(__import__("pickle").dumps(Hooked())),
+                                dtype=torch.uint8)
+    with pytest.raises(LegacyFormatError, match="backward hooks"):
+        decode_te_extra_state(sd_value)

@@ -90,12 +90,12 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
     entries = []
     for key, item in md.state_dict_metadata.items():
-        tensor = isinstance(item, TensorStorageMetadata)
+        tensor = item if isinstance(item, TensorStorageMetadata) else None
         entries.append(DCPEntry(
             key=key,
             path=tuple(planner_data.get(key, (key,))),
-            shape=tuple(item.size) if tensor else None,
-            dtype=item.properties.dtype if tensor else None,
+            shape=tuple(tensor.size) if tensor is not None else None,
+            dtype=tensor.properties.dtype if tensor is not None else None,
         ))
     return sorted(entries, key=lambda e: e.key)
 

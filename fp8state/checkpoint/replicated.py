@@ -34,6 +34,7 @@ def _digest(tensor: torch.Tensor) -> str:
 
 def _local_digests(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[str, dict]:
     """``{extra-state key: {payload key: digest}}`` of this rank's FP8 metadata."""
+    payloads: dict[str, Any]
     if isinstance(model_or_state_dict, nn.Module):
         payloads = {
             f"{canonical}_extra_state": module.get_extra_state()
@@ -115,7 +116,8 @@ def check_fp8_metadata_replicated(
         raise DistributedStateError(
             keys_of(problems), summarize(problems),
             "the same FP8 metadata on every rank (DCP stores one copy of replicated tensors)",
-            "Nothing was saved. Reduce amaxes over every rank that holds a module "
+            "DCP would keep one rank's copy (dcp_save writes nothing). Reduce amaxes over "
+            "every rank that holds a module "
             "(fp8_autocast(fp8_group=...) spanning the data-parallel ranks), or make the "
             "ranks' metadata equal (e.g. broadcast it from rank 0) before saving.",
         )

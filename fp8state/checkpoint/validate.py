@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
 from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
@@ -21,15 +22,9 @@ from fp8state.mixin import FP8StateMixin
 
 __all__ = ["load_state_dict", "validate_state_dict"]
 
-try:  # DTensor is in every torch this package supports; the guard keeps odd builds importable.
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
-
 
 def _is_dtensor(value: object) -> bool:
-    return DTensor is not None and isinstance(value, DTensor)
+    return isinstance(value, DTensor)
 
 
 def _missing(key: str) -> CheckpointError:
@@ -74,7 +69,7 @@ def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, Checkpoi
             "a materialized model",
             "Call model.to_empty(device=...) before loading, or pass assign=True.",
         )
-    if _is_dtensor(live) and not _is_dtensor(value):
+    if isinstance(live, DTensor) and not _is_dtensor(value):
         # A full tensor for a sharded parameter (e.g. a consolidated file loaded on every
         # rank): each rank keeps its own shard, without communication (src_data_rank=None).
         local = value.to(live.to_local().device)
@@ -158,7 +153,7 @@ def validate_state_dict(
 
 def _translate_metadata(model: nn.Module, metadata: Mapping[str, Any]) -> Any:
     """Re-key ``state_dict._metadata`` (per-module versions) to the model's module names."""
-    names = {}
+    names: dict[str, str] = {}
     for prefix, canonical, _ in walk_modules(model, "", ""):
         names.setdefault(canonical.rstrip("."), prefix.rstrip("."))
         names[prefix.rstrip(".")] = prefix.rstrip(".")

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from tqdm import tqdm
 
+from fp8state.errors import CheckpointError
 from fp8state.migrate.checkpoint import migrate_te_checkpoint
 from fp8state.migrate.writer import save_atomically
 
@@ -48,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"dry run: {args.dst} not written")
         return 0
-    save_atomically(checkpoint, args.dst)
+    try:
+        save_atomically(checkpoint, args.dst)
+    except OSError as err:  # disk full, read-only directory, DST is a folder ...
+        raise CheckpointError(
+            args.dst, f"an error writing it ({err.strerror or err})", "a writable file path",
+            "Check the path, its permissions and the free space; nothing was written.",
+        ) from None
     print(f"wrote {args.dst}")
     return 0

@@ -235,9 +235,9 @@ def _decode_recipe_dict(obj: Mapping[str, Any], efv: Mapping[str, Any]) -> TESta
 
 
 def _decode_dict(container: str, obj: Mapping[Any, Any]) -> TEState | NoFP8State:
-    bad = next((k for k in obj if not isinstance(k, str)), None)
-    if bad is not None:
-        raise _err("", f"a dict key of type {type(bad).__name__}", "string keys")
+    bad = [k for k in obj if not isinstance(k, str)]  # a None key is a bad key too
+    if bad:
+        raise _err("", f"a dict key of type {type(bad[0]).__name__}", "string keys")
     keys = set(obj)
     if not keys or keys <= _OPS_KEYS:
         if all(v is None or (isinstance(v, Mapping) and not v) for v in obj.values()):

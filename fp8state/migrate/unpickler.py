@@ -21,7 +21,7 @@ import contextvars
 import io
 import pickle
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
 import torch
@@ -57,6 +57,28 @@ def _latin1_encode(obj: object, encoding: object = "utf-8") -> bytes:
     return obj.encode("latin-1")
 
 
+def _without_hooks(rebuild: Callable[..., Any], hooks_at: int | None) -> Callable[..., Any]:
+    """A torch rebuild function that refuses pickled backward hooks.
+
+    torch.save never writes hooks (torch's "Don't serialize hooks" note); hooks in a pickle
+    could only be callables planted to run at the next backward pass.
+    """
+    if hooks_at is None:
+        return rebuild
+
+    def checked(*args: Any) -> Any:
+        if len(args) > hooks_at and args[hooks_at]:
+            raise LegacyFormatError(
+                "", f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
+                "no hooks (torch.save never writes them)",
+                "The checkpoint was crafted; nothing was executed.",
+            )
+        return rebuild(*args)
+
+    checked.__qualname__ = checked.__name__ = rebuild.__name__
+    return checked
+
+
 def _torch_allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,
@@ -64,11 +86,12 @@ def _torch_allowed() -> dict[tuple[str, str], Any]:
         ("torch", "device"): torch.device,
         ("torch.storage", "_load_from_bytes"): load_storage_blob,
     }
-    for name in (
-        "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
-        "_rebuild_parameter", "_rebuild_parameter_with_state",
+    # Position of `backward_hooks` in each rebuild function's arguments.
+    for name, hooks_at in (
+        ("_rebuild_tensor", None), ("_rebuild_tensor_v2", 5), ("_rebuild_tensor_v3", 5),
+        ("_rebuild_parameter", 2), ("_rebuild_parameter_with_state", 2),
     ):
-        allowed[("torch._utils", name)] = getattr(torch._utils, name)
+        allowed[("torch._utils", name)] = _without_hooks(getattr(torch._utils, name), hooks_at)
     for name in dir(torch):
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
@@ -308,16 +331,6 @@ def safe_torch_load(
                 "which is at least as strict as weights_only.",
             ) from None
         raise _undecodable("a checkpoint", err, "a torch.save archive") from None
-
-
-def check_mapping_keys(obj: Mapping[Any, Any], where: str) -> None:
-    """Raise if ``obj`` has a key that is not a string (TE dicts only have string keys)."""
-    bad = next((k for k in obj if not isinstance(k, str)), None)
-    if bad is not None:
-        raise LegacyFormatError(
-            where, f"a key of type {type(bad).__name__}", "string keys",
-            "The checkpoint is corrupt.",
-        )
 
 
 ALLOWED.update(_torch_allowed())

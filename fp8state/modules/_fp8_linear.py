@@ -1,9 +1,14 @@
 """One GEMM of an FP8 module: ``y = x @ W.T + b`` with delayed-scaled FP8 operands.
 
-Forward quantizes the input and the weight to the recipe's forward dtype (E4M3) with their
-slots' current scales and records their amaxes; backward quantizes the incoming gradient to the
-backward dtype (E5M2 under HYBRID) and records its amax. FP8 copies of input and weight are
-what is saved for backward, a quarter of a float32 activation's memory.
+Forward casts the input and the weight to the recipe's forward dtype (E4M3) with their slots'
+current scales, recording their amaxes; backward casts the incoming gradient to the backward
+dtype (E5M2 under HYBRID). FP8 GEMMs take the second operand column-major, so each cast also
+writes the transposed copy its operand needs in backward, in the same pass
+(:func:`fp8state.cast.cast_and_record`); only those FP8 transposes are saved for backward.
+
+Weights can be cast once per optimizer step and reused across micro-batches
+(``is_first_microbatch``, as in TE), and GEMMs too small for FP8 to pay run in high precision
+(``FP8StateMixin.fp8_min_gemm_macs``).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from fp8state import autocast
-from fp8state.backends import fp8_gemm, resolve_backend
+from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
+from fp8state.cast import cast_and_record
 from fp8state.mixin import FP8StateMixin
-from fp8state.quantize import quantize, tensor_amax
+from fp8state.quantize import finite_amax
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = ["linear"]
@@ -29,6 +35,7 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     gemm: int,
+    is_first_microbatch: bool | None = None,
 ) -> torch.Tensor:
     """``F.linear(inp, weight, bias)``, in FP8 inside ``fp8_autocast(enabled=True)``.
 
@@ -38,19 +45,57 @@ def linear(
         weight: ``(out_features, in_features)``.
         bias: ``(out_features,)`` or None.
         gemm: Index of this GEMM in the module (selects its slots).
+        is_first_microbatch: None casts the weight every call. True casts it, records its
+            amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
+            optimizer step, where the weight has not changed).
     """
     ctx = autocast.active_context()
     if ctx is None:
         return F.linear(inp, weight, bias)
-    autocast.register_forward(module, ctx)
     if not ctx.enabled:  # calibrating: record, compute in high precision
-        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), tensor_amax(inp))
-        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), tensor_amax(weight))
+        autocast.register_forward(module, ctx)
+        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
+        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
         return F.linear(inp, weight, bias)
     inp_2d, packed_shape = einops.pack([inp], "* k")
-    out_2d = _FP8Linear.apply(inp_2d, weight, bias, module, gemm, ctx)
+    backend = resolve_backend(ctx.gemm_backend, inp.device)
+    macs = inp_2d.shape[0] * weight.shape[0] * weight.shape[1]
+    if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs):
+        module.fp8_last_gemm_backend = "high_precision"
+        return F.linear(inp, weight, bias)
+    autocast.register_forward(module, ctx)
+    out_2d = _FP8Linear.apply(
+        inp_2d, weight, bias, module, gemm, ctx, backend, is_first_microbatch
+    )
     [out] = einops.unpack(out_2d, packed_shape, "* n")
     return out
+
+
+def _cast_weight(
+    module: FP8StateMixin,
+    weight: torch.Tensor,
+    gemm: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    is_first_microbatch: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """FP8 weight, its transpose (if asked) and inverse scale, from the cache when allowed."""
+    cached = module.fp8_weight_cache.get(gemm)
+    if is_first_microbatch is False and cached is not None:
+        weight_fp8, weight_fp8_t, scale_inv = cached
+        if not transpose or weight_fp8_t is not None:
+            return weight_fp8, weight_fp8_t, scale_inv
+    meta = module.fp8_meta("fwd")
+    slot = fwd_slot(gemm, FwdSlot.WEIGHT)
+    weight_fp8, weight_fp8_t = cast_and_record(
+        weight.detach().contiguous(), meta.scale[slot : slot + 1],
+        module.fp8_amax_cell("fwd", slot), fp8_dtype, transpose=transpose,
+    )
+    # A copy: the live scale_inv changes when the step ends, before backward runs.
+    scale_inv = meta.scale_inv[slot : slot + 1].clone()
+    if is_first_microbatch is not None:
+        module.fp8_weight_cache[gemm] = (weight_fp8, weight_fp8_t, scale_inv)
+    return weight_fp8, weight_fp8_t, scale_inv
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -63,26 +108,28 @@ class _FP8Linear(torch.autograd.Function):
         module: FP8StateMixin,
         gemm: int,
         fp8_ctx: autocast.FP8Context,
+        backend: str,
+        is_first_microbatch: bool | None,
     ) -> torch.Tensor:
         fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         meta = module.fp8_meta("fwd")
         slot_in = fwd_slot(gemm, FwdSlot.INPUT)
-        slot_w = fwd_slot(gemm, FwdSlot.WEIGHT)
-        module.fp8_record_amax("fwd", slot_in, tensor_amax(inp_2d))
-        module.fp8_record_amax("fwd", slot_w, tensor_amax(weight))
-        inp_fp8 = quantize(inp_2d, meta.scale[slot_in], fp8_dtype)
-        weight_fp8 = quantize(weight, meta.scale[slot_w], fp8_dtype)
-        # Copies: the live scale_inv changes when the step ends, before backward runs.
-        inp_scale_inv = meta.scale_inv[slot_in].clone()
-        weight_scale_inv = meta.scale_inv[slot_w].clone()
-        backend = resolve_backend(fp8_ctx.gemm_backend, inp_2d.device)
-        out, used = fp8_gemm(
-            inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend
+        inp_fp8, inp_fp8_t = cast_and_record(
+            inp_2d.contiguous(), meta.scale[slot_in : slot_in + 1],
+            module.fp8_amax_cell("fwd", slot_in), fp8_dtype, transpose=need_wgrad,
         )
-        if bias is not None:
-            out = out + bias
+        inp_scale_inv = meta.scale_inv[slot_in : slot_in + 1].clone()
+        weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
+            module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch
+        )
+        out, used = fp8_gemm(
+            inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend,
+            bias=bias,
+        )
         module.fp8_last_gemm_backend = used
-        ctx.save_for_backward(inp_fp8, weight_fp8, inp_scale_inv, weight_scale_inv)
+        # Only what backward multiplies with, in the layout it needs: FP8, not the input.
+        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv)
         ctx.module, ctx.gemm, ctx.fp8_ctx, ctx.backend = module, gemm, fp8_ctx, backend
         ctx.inp_dtype, ctx.weight_dtype = inp_2d.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -90,26 +137,29 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inp_fp8, weight_fp8, inp_scale_inv, weight_scale_inv = ctx.saved_tensors
+        inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv = ctx.saved_tensors
         module: FP8StateMixin = ctx.module
         fp8_ctx: autocast.FP8Context = ctx.fp8_ctx
-        slot_go = bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT)
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT)
         autocast.register_backward(module, fp8_ctx)
-        module.fp8_record_amax("bwd", slot_go, tensor_amax(grad_out))
         meta = module.fp8_meta("bwd")
-        grad_fp8 = quantize(grad_out, meta.scale[slot_go], fp8_ctx.recipe.fp8_format.dtype("bwd"))
-        grad_scale_inv = meta.scale_inv[slot_go].clone()
+        grad_fp8, grad_fp8_t = cast_and_record(
+            grad_out.contiguous(), meta.scale[slot : slot + 1], module.fp8_amax_cell("bwd", slot),
+            fp8_ctx.recipe.fp8_format.dtype("bwd"), transpose=need_wgrad,
+        )
+        grad_scale_inv = meta.scale_inv[slot : slot + 1].clone()
         grad_inp = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:  # dgrad: (M, N) @ (N, K)
+        if need_dgrad:  # (M, N) @ (N, K); weight_fp8_t.t() is (N, K) column-major
             grad_inp, _ = fp8_gemm(
-                grad_fp8, grad_scale_inv, weight_fp8, weight_scale_inv, ctx.inp_dtype,
+                grad_fp8, grad_scale_inv, weight_fp8_t.t(), weight_scale_inv, ctx.inp_dtype,
                 ctx.backend,
             )
-        if ctx.needs_input_grad[1]:  # wgrad: (N, M) @ (M, K)
+        if need_wgrad:  # (N, M) @ (M, K); inp_fp8_t.t() is (M, K) column-major
             grad_weight, _ = fp8_gemm(
-                grad_fp8.t(), grad_scale_inv, inp_fp8, inp_scale_inv, ctx.weight_dtype,
+                grad_fp8_t, grad_scale_inv, inp_fp8_t.t(), inp_scale_inv, ctx.weight_dtype,
                 ctx.backend,
             )
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        if ctx.bias_dtype is not None and need_bgrad:
             grad_bias = grad_out.sum(dim=0).to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None

@@ -65,10 +65,17 @@ class LayerNormLinear(FP8StateMixin):
                 nn.init.zeros_(self.layer_norm_bias)
         reset_linear_(self.weight, self.bias)
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Apply norm and linear layer to ``inp (..., in_features)``."""
+    def forward(
+        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Apply norm and linear layer to ``inp (..., in_features)``.
+
+        ``is_first_microbatch`` as in :meth:`fp8state.Linear.forward`.
+        """
         normed = normalize(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
-        out = _fp8_linear.linear(self, normed, self.weight, self.bias, gemm=0)
+        out = _fp8_linear.linear(
+            self, normed, self.weight, self.bias, 0, is_first_microbatch
+        )
         return (out, normed) if self.return_layernorm_output else out

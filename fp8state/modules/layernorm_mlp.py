@@ -93,13 +93,21 @@ class LayerNormMLP(FP8StateMixin):
         reset_linear_(self.fc1_weight, self.fc1_bias)
         reset_linear_(self.fc2_weight, self.fc2_bias)
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Apply the block to ``inp (..., hidden_size)``."""
+    def forward(
+        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Apply the block to ``inp (..., hidden_size)``.
+
+        ``is_first_microbatch`` as in :meth:`fp8state.Linear.forward`.
+        """
         normed = normalize(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
-        hidden = _fp8_linear.linear(self, normed, self.fc1_weight, self.fc1_bias, gemm=0)
+        hidden = _fp8_linear.linear(
+            self, normed, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch
+        )
         out = _fp8_linear.linear(
-            self, _activate(hidden, self.activation), self.fc2_weight, self.fc2_bias, gemm=1
+            self, _activate(hidden, self.activation), self.fc2_weight, self.fc2_bias, 1,
+            is_first_microbatch,
         )
         return (out, normed) if self.return_layernorm_output else out

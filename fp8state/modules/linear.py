@@ -47,9 +47,17 @@ class Linear(FP8StateMixin):
         """Initialize as ``nn.Linear`` does."""
         reset_linear_(self.weight, self.bias)
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``inp (..., in_features)``."""
-        return _fp8_linear.linear(self, inp, self.weight, self.bias, gemm=0)
+    def forward(
+        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        """Apply the layer to ``inp (..., in_features)``.
+
+        ``is_first_microbatch`` (TE's argument): None casts the weight to FP8 every call; True
+        casts and keeps it; False reuses the kept FP8 weight (later micro-batches of a step).
+        """
+        return _fp8_linear.linear(
+            self, inp, self.weight, self.bias, 0, is_first_microbatch
+        )
 
     def extra_repr(self) -> str:
         """Shapes, as ``nn.Linear`` prints them."""

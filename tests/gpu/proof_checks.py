@@ -130,9 +130,8 @@ def _fresh(results: list[dict[str, Any]], cuda: bool) -> list[dict[str, str]]:
 
 def _split(results: list[dict[str, Any]], cuda: bool) -> list[dict[str, str]]:
     result = results[0] if results else {}
-    ok, detail = _steps_ok(result, ("fp8state_load",))
-    stages = ((result.get("steps", {}).get("fp8state_load") or {}).get("result") or {}).get(
-        "by_stage", {})
+    ok, detail = _steps_ok(result, ("fp8state_load", "verify"))
+    stages = (result.get("steps", {}).get("fp8state_load") or {}).get("result") or {}
     want = {"a": [["Tensor", "cuda:0" if cuda else "cpu"]],
             "b": [["Tensor", "cuda:1" if cuda else "cpu"]]}
     out = [_check("split model: equal values, each stage's FP8 buffers on its own device",

@@ -1,0 +1,65 @@
+"""Cast an operand to FP8 and record its amax, fused on CUDA, with pure functions elsewhere.
+
+:func:`cast_and_record` is the one entry point the modules use. On CUDA (with Triton) it runs
+one kernel that reads the tensor once and writes the FP8 copy, its transpose when backward
+needs one, and the amax straight into the slot's history cell. Elsewhere it runs the pure
+functions of :mod:`fp8state.quantize`, which define the result: the GPU tests compare the two
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from fp8state.quantize import finite_amax, quantize
+
+__all__ = ["cast_and_record", "fused_kernel_available"]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def fused_kernel_available(x: torch.Tensor) -> bool:
+    """Whether :func:`cast_and_record` runs the fused Triton kernel for ``x``."""
+    return (
+        x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
+        and x.numel() > 0 and _triton_installed()
+    )
+
+
+def cast_and_record(
+    x_2d: torch.Tensor,
+    scale: torch.Tensor,
+    amax_cell: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``saturate(x * scale)`` in ``fp8_dtype``, its transpose if asked, and the amax record.
+
+    Args:
+        x_2d: 2-D high-precision operand.
+        scale: 1-element float32 scale of the operand's slot.
+        amax_cell: 1-element float32 view of the slot's current history cell; it becomes
+            ``max(amax_cell, max(|x|))`` over the finite elements of ``x``.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        transpose: Also return the contiguous transpose (the layout FP8 GEMMs need for the
+            operand's other use in backward).
+
+    Returns:
+        ``(x_fp8, x_fp8_t or None)``.
+    """
+    if fused_kernel_available(x_2d):
+        from fp8state.kernels.triton_cast import cast_transpose_amax
+
+        return cast_transpose_amax(x_2d, scale, fp8_dtype, amax_cell, transpose)
+    amax_cell.copy_(torch.maximum(amax_cell, finite_amax(x_2d)))
+    x_fp8 = quantize(x_2d, scale, fp8_dtype)
+    return x_fp8, (x_fp8.t().contiguous() if transpose else None)
