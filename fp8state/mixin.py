@@ -130,7 +130,9 @@ class FP8StateMixin(nn.Module):
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
-        self.fp8_weight_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.fp8_weight_cache: dict[
+            int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+        ] = {}
         self.fp8_recipe = recipe or DelayedScaling(
             amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
         )
@@ -302,7 +304,7 @@ class FP8StateMixin(nn.Module):
                 # metadata (zero history, scales 1) and keep the module's recipe and rows.
                 rows = self.fp8_meta("fwd").amax_history.shape[0]
                 state = default_payload(num_gemms, rows=rows, recipe=self.fp8_recipe)
-        return unpack(state, num_gemms=num_gemms)
+        return unpack(_onto(state, self.fp8_meta("fwd").scale.device), num_gemms=num_gemms)
 
     @torch.no_grad()
     def _fp8_apply(self, state: FP8State) -> None:
@@ -362,11 +364,35 @@ class FP8StateMixin(nn.Module):
             self._fp8_pending_load = None
 
 
+def _onto(state: Any, device: torch.device) -> Any:
+    """``state`` with tensors on a third device moved to ``device`` (CPU for a meta module).
+
+    Validation computes on the payload's tensors; a payload loaded onto another GPU
+    (``map_location="cuda:0"`` for a module on cuda:1) would otherwise allocate its temporaries
+    there. CPU tensors stay: validating them allocates nothing on any GPU.
+    """
+    if not isinstance(state, Mapping):
+        return state
+    target = torch.device("cpu") if device.type == "meta" else device
+    foreign = [
+        k for k, v in state.items()
+        if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")
+        and v.device != target
+    ]
+    if not foreign:
+        return state
+    moved = dict(state)
+    for k in foreign:
+        moved[k] = state[k].to(target)
+    return moved
+
+
 def _as_cpu_placeholder(state: FP8State) -> FP8State:
     """Zeros on CPU shaped like ``state`` (for the shapes of a meta module's payload)."""
 
     def empty(d: DirectionState) -> DirectionState:
-        return DirectionState(*(torch.zeros(t.shape) for t in (d.amax_history, d.scale,
-                                                                d.scale_inv)))
+        # device="cpu": inside `with torch.device("meta")` the default device is meta.
+        return DirectionState(*(torch.zeros(t.shape, device="cpu")
+                                for t in (d.amax_history, d.scale, d.scale_inv)))
 
     return FP8State(empty(state.fwd), empty(state.bwd), state.recipe)

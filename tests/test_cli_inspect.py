@@ -98,3 +98,30 @@ def test_console_entry_point_prints_no_traceback() -> None:
     )
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.count("\n") == 1 and "truncated or corrupt" in run.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, monkeypatch) -> None:
+    """`fp8state inspect ... | head`: no BrokenPipeError traceback, the shell's exit code."""
+    import io
+    import os
+
+    import torch
+
+    import fp8state
+    from fp8state.cli import EXIT_BROKEN_PIPE, main
+
+    path = tmp_path / "ckpt.pt"
+    torch.save(fp8state.Linear(16, 16).state_dict(), path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write raises BrokenPipeError
+    stdout = io.TextIOWrapper(os.fdopen(write_end, "wb", buffering=0), write_through=True)
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["inspect", str(path)]) == EXIT_BROKEN_PIPE
+
+
+def test_os_errors_are_one_line(tmp_path, capsys) -> None:
+    from fp8state.cli import main
+
+    assert main(["inspect", str(tmp_path / "missing.pt")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fp8state inspect: error:") and "\n" not in err

@@ -203,10 +203,19 @@ def test_pickled_backward_hooks_are_refused() -> None:
         def __reduce__(self) -> tuple[Any, ...]:
             hooks = collections.OrderedDict([(0, collections.OrderedDict)])
             return (torch._utils._rebuild_tensor_v2,
-                    (torch.ones(2).untyped_storage()._typed_storage(), 0, (2,), (1,), True,
+                    (torch.ones(2)._typed_storage(), 0, (2,), (1,), True,
                      hooks))
 
     sd_value = torch.frombuffer(bytearray(__import__("pickle").dumps(Hooked())),
                                 dtype=torch.uint8)
     with pytest.raises(LegacyFormatError, match="backward hooks"):
         decode_te_extra_state(sd_value)
+
+
+def test_refused_name_is_shown_on_one_line() -> None:
+    # STACK_GLOBAL takes any strings: a name with a newline must not break the one-line message.
+    data = b"\x80\x04" + _unicode("os\nsystem") + _unicode("x" * 500) + b"\x93."
+    with pytest.raises(UnsafeCheckpointError) as info:
+        loads(data)
+    assert "\n" not in str(info.value) and "os\\nsystem" in info.value.found
+    assert len(info.value.found) < 200

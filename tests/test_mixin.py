@@ -457,16 +457,7 @@ def test_bad_input_load_state_dict_names_key_and_leaves_model_unchanged(
     assert_unchanged(model, before)
 
 
-_NONE_KEY_BUG = pytest.mark.xfail(
-    strict=True, raises=TypeError,
-    reason="fp8state/migrate/decode.py::_decode_dict: next(..., None) cannot tell a None key "
-    "from 'no bad key', then sorted() of mixed keys raises TypeError",
-)
-
-
-@pytest.mark.parametrize(
-    "key", [pytest.param(None, id="None", marks=_NONE_KEY_BUG), pytest.param(0, id="int")]
-)
+@pytest.mark.parametrize("key", [pytest.param(None, id="None"), pytest.param(0, id="int")])
 def test_non_str_key_without_schema_version(key: Any) -> None:
     # A dict without schema_version goes to the TransformerEngine decoder; a non-str key there
     # must still be an FP8StateError.

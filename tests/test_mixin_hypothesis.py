@@ -227,9 +227,8 @@ def corrupt_payloads(
         return out, shape
     extra = draw(st.sampled_from([0, 0, 0, 1, 2]))
     for _ in range(extra):
-        # Not None as a key: test_mixin.py::test_none_key_without_schema_version covers it.
         key = draw(st.one_of(st.text(max_size=12).filter(lambda k: k not in KEYS_V1),
-                             st.integers(), st.tuples(st.integers())))
+                             st.integers(), st.tuples(st.integers()), st.none()))
         out[key] = draw(st.one_of(st.just(torch.zeros(2)), NON_TENSORS))
     whole = draw(st.sampled_from(["none"] * 6 + ["wrap", "list", "tensor", "other"]))
     if whole == "wrap":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,6 +29,8 @@ _COMMANDS = {
 
 #: Exit code for an FP8StateError (bad or unsafe input); argparse uses 2 for bad usage.
 EXIT_FP8STATE_ERROR = 1
+#: Exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it).
+EXIT_BROKEN_PIPE = 141
 
 
 def _available() -> dict[str, str]:
@@ -55,7 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FP8StateError as err:
         print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as err:
+    except BrokenPipeError:
+        # `fp8state inspect ... | head`: the reader left; stop quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except OSError as err:  # missing file, permissions, full disk: one line, no traceback
         print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
 

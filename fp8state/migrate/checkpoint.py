@@ -43,7 +43,7 @@ _GROUPED_WEIGHT = re.compile(r"weight\d+")
 
 #: ``progress(keys, total)`` wraps the iteration over a state dict's keys (e.g. with tqdm).
 Progress = Callable[[Iterable[str], int], Iterable[str]]
-LocationOf = Callable[[torch.Tensor], "str | None"]
+LocationOf = Callable[[torch.Tensor], str | None]
 
 
 def _is_extra(key: str) -> bool:
@@ -106,9 +106,9 @@ def _locations(members: Mapping[str, Any], location_of: LocationOf | None) -> se
 
 
 def _convert_entry(
-    key: str, value: object, members: Mapping[str, Any], label: str,
-    location_of: LocationOf | None,
+    value: object, members: Mapping[str, Any], label: str, location_of: LocationOf | None
 ) -> tuple[Mapping[str, Any] | None, rpt.EntryReport]:
+    """Convert one ``_extra_state`` value; ``members`` are its module's state-dict entries."""
     gemms = infer_num_gemms(members)
     saved = _locations(members, location_of)
     if isinstance(value, Mapping) and "schema_version" in value:
@@ -156,7 +156,7 @@ def _convert(
         label = f"{where}/{key}" if where else key
         prefix = key[: -len(_EXTRA)]
         try:
-            payload, entry = _convert_entry(key, value, groups[prefix], label, location_of)
+            payload, entry = _convert_entry(value, groups[prefix], label, location_of)
         except FP8StateError as err:
             if strict:
                 raise err.under(label) from None
@@ -224,13 +224,16 @@ def _convert_read(
             "Save the model's state_dict() (as TE users do) and convert that file.",
         )
     report.state_dicts = targets
-    kwargs = {"strict": strict, "report": report, "progress": progress,
-              "location_of": read.location_of}
+
+    def convert(state_dict: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+        return _convert(state_dict, strict=strict, where=where, report=report,
+                        progress=progress, location_of=read.location_of)
+
     if targets == [""]:
-        return _convert(obj, where="", **kwargs), report  # type: ignore[arg-type]
-    out = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        return convert(obj, ""), report
+    out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
     for key, value in obj.items():
-        out[key] = _convert(value, where=key, **kwargs) if key in targets else value  # type: ignore
+        out[key] = convert(value, key) if key in targets else value
     _copy_attributes(obj, out)
     return out, report
 

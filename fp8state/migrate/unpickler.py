@@ -179,8 +179,10 @@ class Unpickler(_PyUnpickler):
         if key in ALLOWED:
             return ALLOWED[key]
         te = module == "transformer_engine" or str(module).startswith("transformer_engine.")
+        # Names come from the file: escape control characters so the message stays one line.
+        shown = _clip(ascii(f"{module}.{name}")[1:-1], 120)
         raise UnsafeCheckpointError(
-            "", f"a pickled reference to {module}.{name}"
+            "", f"a pickled reference to {shown}"
             + (" (a TransformerEngine class fp8state does not know)" if te else ""),
             "only torch tensor/storage rebuild functions, plain containers and TE recipe classes",
             _UNSAFE_FIX,

@@ -82,9 +82,8 @@ def _cast_weight(
     """FP8 weight, its transpose (if asked) and inverse scale, from the cache when allowed."""
     cached = module.fp8_weight_cache.get(gemm)
     if is_first_microbatch is False and cached is not None:
-        weight_fp8, weight_fp8_t, scale_inv = cached
-        if not transpose or weight_fp8_t is not None:
-            return weight_fp8, weight_fp8_t, scale_inv
+        if not transpose or cached[1] is not None:
+            return cached[0], cached[1], cached[2]
     meta = module.fp8_meta("fwd")
     slot = fwd_slot(gemm, FwdSlot.WEIGHT)
     weight_fp8, weight_fp8_t = cast_and_record(
@@ -156,6 +155,7 @@ class _FP8Linear(torch.autograd.Function):
                 ctx.backend,
             )
         if need_wgrad:  # (N, M) @ (M, K); inp_fp8_t.t() is (M, K) column-major
+            assert grad_fp8_t is not None  # cast with transpose=need_wgrad
             grad_weight, _ = fp8_gemm(
                 grad_fp8_t, grad_scale_inv, inp_fp8_t.t(), inp_scale_inv, ctx.weight_dtype,
                 ctx.backend,

