@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["cast_transpose_amax"]
+__all__ = ["cast_transpose_amax", "default_config"]
 
 
 @triton.jit
@@ -42,12 +42,21 @@ def _cast_kernel(
     tl.atomic_max(amax_ptr, tl.max(tl.max(running, axis=1), axis=0))
 
 
+def default_config(rows: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``: enough programs to fill the GPU, few atomics."""
+    block_m = 32
+    while block_m > 8 and triton.cdiv(rows, block_m) < 512:
+        block_m //= 2
+    return block_m, 128, 8
+
+
 def cast_transpose_amax(
     x_2d: torch.Tensor,
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     amax_cell: torch.Tensor,
     transpose: bool,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FP8 copy of a contiguous 2-D CUDA tensor (and its transpose); amax into ``amax_cell``.
 
@@ -58,13 +67,15 @@ def cast_transpose_amax(
         amax_cell: 1-element float32 tensor (a view into the history), >= 0; receives
             ``max(amax_cell, max(|x| over finite x))``.
         transpose: Also return the ``(N, M)`` contiguous transpose.
+        config: ``(BLOCK_M, BLOCK_N, num_warps)``; default from :func:`default_config`
+            (benchmarks/profile_linear.py sweeps the alternatives).
     """
     m, n = x_2d.shape
     out = torch.empty((m, n), dtype=fp8_dtype, device=x_2d.device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=x_2d.device) if transpose else out
-    block_m, block_n = 32, 128
+    block_m, block_n, warps = config or default_config(m)
     _cast_kernel[(triton.cdiv(m, block_m),)](
         x_2d, out, out_t, scale, amax_cell, m, n, float(torch.finfo(fp8_dtype).max),
-        BLOCK_M=block_m, BLOCK_N=block_n, TRANSPOSE=transpose, num_warps=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, TRANSPOSE=transpose, num_warps=warps,
     )
     return out, (out_t if transpose else None)
