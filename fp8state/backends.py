@@ -90,6 +90,7 @@ def fp8_gemm(
     out_dtype: torch.dtype,
     backend: str,
     bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> tuple[torch.Tensor, str]:
     """``(a * a_scale_inv) @ (b * b_scale_inv) + bias`` for FP8 ``a (M, K)`` and ``b (K, N)``.
 
@@ -101,6 +102,10 @@ def fp8_gemm(
         out_dtype: dtype of the result.
         backend: ``"scaled_mm"`` or ``"emulated"`` (from :func:`resolve_backend`).
         bias: Optional ``(N,)`` high-precision bias, added to the result.
+        fast_accum: Let ``torch._scaled_mm`` accumulate in the tensor cores' reduced
+            precision without periodic promotion; TE does so for forward GEMMs only
+            (``use_split_accumulator=False`` for fprop), keeping full accumulation for the
+            gradients. No effect on the emulation.
 
     Returns:
         The product and the backend that computed it: ``"scaled_mm"`` falls back to
@@ -116,6 +121,7 @@ def fp8_gemm(
             scale_b=b_scale_inv.reshape(()),
             bias=fused_bias,
             out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
         if bias is not None and fused_bias is None:
             out = out + bias

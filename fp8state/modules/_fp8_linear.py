@@ -124,7 +124,7 @@ class _FP8Linear(torch.autograd.Function):
         )
         out, used = fp8_gemm(
             inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend,
-            bias=bias,
+            bias=bias, fast_accum=True,  # forward only, as TE (see fp8_gemm)
         )
         module.fp8_last_gemm_backend = used
         # Only what backward multiplies with, in the layout it needs: FP8, not the input.
