@@ -55,7 +55,8 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
                                       max_name_column_width=60)
     print(table)
-    print(f"step {_time_ms(step, 20):.3f} ms; default cast config {default_config(tokens)}")
+    print(f"step {_time_ms(step, 20):.3f} ms; default cast configs "
+          f"{default_config(tokens, False)} / {default_config(tokens, True)} (transpose)")
 
     scale = torch.tensor([1.0], device="cuda")
     cell = torch.zeros(1, device="cuda")

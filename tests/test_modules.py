@@ -156,6 +156,7 @@ def test_high_precision_is_exactly_torch_nn(name: str, enabled: bool | None, see
 def test_fp8_sqnr_against_fp32(name: str, backend: str, device: torch.device, warm: bool,
                                seed: int) -> None:
     module = GEMM_MODULES[name]().to(device)
+    module.fp8_min_gemm_macs = 0  # these shapes are below the GPU's small-GEMM fallback
     ref = _reference(module).to(device)
     x = torch.randn(64, HIDDEN, device=device)
     if warm:  # a calibration step sets scales from real amaxes

@@ -57,18 +57,18 @@ def linear(
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
         return F.linear(inp, weight, bias)
-    inp_2d, packed_shape = einops.pack([inp], "* k")
     backend = resolve_backend(ctx.gemm_backend, inp.device)
-    macs = inp_2d.shape[0] * weight.shape[0] * weight.shape[1]
+    macs = inp.numel() * weight.shape[0]  # tokens * in * out
     if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs):
         module.fp8_last_gemm_backend = "high_precision"
         return F.linear(inp, weight, bias)
     autocast.register_forward(module, ctx)
+    # A view, not a copy (einops.pack would concatenate, i.e. copy the whole input).
+    inp_2d = einops.rearrange(inp, "... k -> (...) k")
     out_2d = _FP8Linear.apply(
         inp_2d, weight, bias, module, gemm, ctx, backend, is_first_microbatch
     )
-    [out] = einops.unpack(out_2d, packed_shape, "* n")
-    return out
+    return out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
 
 
 def _cast_weight(

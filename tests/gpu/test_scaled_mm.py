@@ -52,6 +52,7 @@ def test_unaligned_shapes_fall_back_to_emulation() -> None:
 
 def test_auto_backend_picks_scaled_mm_on_gpu() -> None:
     layer = fp8state.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+    layer.fp8_min_gemm_macs = 0  # force FP8 at this small shape
     with fp8state.fp8_autocast():
         y = layer(torch.randn(32, 64, device=_CUDA, dtype=torch.bfloat16))
     y.float().sum().backward()
@@ -65,3 +66,13 @@ def test_demo_resumes_exactly_on_gpu() -> None:
     result = run_demo(DemoConfig(steps=40), device, resume)
     assert result.backend == "scaled_mm"
     assert result.resume_exact, (result.losses, result.resumed_losses)
+
+
+def test_small_gemms_fall_back_on_gpu_by_default() -> None:
+    layer = fp8state.Linear(64, 64, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(32, 64, device=_CUDA, dtype=torch.bfloat16)
+    with fp8state.fp8_autocast():
+        y = layer(x)
+    assert layer.fp8_last_gemm_backend == "high_precision"
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               atol=0, rtol=0)
