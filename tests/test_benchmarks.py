@@ -24,4 +24,16 @@ def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert KEYS <= result.keys()
     assert all(v > 0 for v in result["linear_speedup"].values())
-    assert result["command"].startswith("python benchmarks/hopper.py --quick")
+    assert result["command"] == "python benchmarks/hopper.py --quick"
+
+
+def test_docs_benchmarks_table_matches_the_recorded_run() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_recorded_run_has_every_key() -> None:
+    result = json.loads((ROOT / "benchmarks" / "results" / "h200.json").read_text())
+    assert KEYS <= result.keys()
+    assert result["gpu"].startswith("NVIDIA H200")
