@@ -2,16 +2,21 @@
 
 One collective per (recipe, group, device) and direction, whatever the number of modules: row
 0 of every module's history is concatenated into one buffer, all-reduced with MAX, and written
-back before the scales are recomputed.
+back before the scales are recomputed. On CUDA the scales of all modules of a group are then
+updated by one kernel launch reading the modules' buffers through a cached pointer table;
+elsewhere module by module, with the same arithmetic (bit-identical results either way).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from fp8state.cast import fused_update_available
+from fp8state.mixin import buffer_generation
 from fp8state.recipe import DelayedScaling
 
 if TYPE_CHECKING:
@@ -22,6 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["PendingSteps", "reduce_and_update", "should_reduce"]
 
 _Key = tuple[DelayedScaling, "ProcessGroup | None", torch.device]
+
+# Pointer tables of recent module sets, so a training loop's steady state builds none. A few
+# entries: one per (direction, module set) that alternates in a loop, e.g. several models.
+_TABLES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_TABLE_CACHE_SIZE = 16
 
 
 class PendingSteps:
@@ -37,7 +47,8 @@ class PendingSteps:
     def add(self, module: FP8StateMixin, recipe: DelayedScaling, group: ProcessGroup | None
             ) -> None:
         """Add ``module`` once per step."""
-        device = module.fp8_meta("fwd").scale.device
+        # _buffers directly: nn.Module.__getattr__ is slow, and this runs per module per step.
+        device = module._buffers["fp8_fwd_scale"].device  # type: ignore[union-attr]
         self.groups.setdefault((recipe, group, device), {})[id(module)] = module
 
     def __len__(self) -> int:
@@ -52,13 +63,39 @@ def should_reduce(group: ProcessGroup | None) -> bool:
 @torch.no_grad()
 def reduce_and_update(direction: str, pending: PendingSteps) -> None:
     """Reduce row 0 of every pending module's ``direction`` history, then update its scales."""
-    for (recipe, group, _device), members in pending.groups.items():
+    for (recipe, group, device), members in pending.groups.items():
         modules = list(members.values())
         if should_reduce(group):
             rows = [m.fp8_meta(direction).amax_history[0] for m in modules]
             flat = torch.cat(rows)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-            for row, reduced in zip(rows, flat.split([r.numel() for r in rows]), strict=True):
-                row.copy_(reduced)
-        for module in modules:
-            module.fp8_update_scales(direction, recipe)
+            torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+        if len(modules) > 1 and fused_update_available(device):
+            _update_batched(direction, recipe, members)
+        else:
+            for module in modules:
+                module.fp8_update_scales(direction, recipe)
+
+
+def _update_batched(direction: str, recipe: DelayedScaling,
+                    members: dict[int, FP8StateMixin]) -> None:
+    """One kernel launch for every module of ``members`` (CUDA, Triton)."""
+    from fp8state.kernels.triton_update import PointerTable, batched_update_scales_
+
+    for module in members.values():
+        current = module._fp8_recipe
+        if current is not recipe and current != recipe:
+            module.fp8_recipe = recipe  # may grow buffers: before the table is looked up
+    key = (direction, tuple(members), buffer_generation(), recipe.amax_history_len)
+    table = _TABLES.get(key)
+    if table is None:
+        metas = [m.fp8_meta(direction) for m in members.values()]
+        table = PointerTable([m.amax_history for m in metas], [m.scale for m in metas],
+                             [m.scale_inv for m in metas], recipe.amax_history_len)
+        _TABLES[key] = table
+        while len(_TABLES) > _TABLE_CACHE_SIZE:
+            _TABLES.popitem(last=False)
+    batched_update_scales_(table, algo=recipe.amax_compute_algo,
+                           fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin)
+    for module in members.values():
+        module._fp8_new_step[direction] = True

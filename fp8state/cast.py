@@ -16,7 +16,7 @@ import torch
 
 from fp8state.quantize import finite_amax, quantize
 
-__all__ = ["cast_and_record", "fused_kernel_available"]
+__all__ = ["cast_and_record", "fused_kernel_available", "fused_update_available"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -32,6 +32,11 @@ def fused_kernel_available(x: torch.Tensor) -> bool:
         x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
         and x.numel() > 0 and _triton_installed()
     )
+
+
+def fused_update_available(device: torch.device) -> bool:
+    """Whether scale updates of metadata on ``device`` run as Triton kernels."""
+    return device.type == "cuda" and _triton_installed()
 
 
 def cast_and_record(

@@ -24,12 +24,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fp8state import scaling
+from fp8state import meta_io, scaling
+from fp8state.cast import fused_update_available
 from fp8state.errors import ConfigError, FP8StateError
 from fp8state.recipe import DelayedScaling
-from fp8state.schema import DIRECTIONS, DirectionState, FP8State, pack, slots_per_gemm, unpack
+from fp8state.schema import DIRECTIONS, DirectionState, FP8State, slots_per_gemm
 
-__all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS"]
+__all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS", "buffer_generation"]
 
 #: Rows of the amax history buffers unless a module asks for others (TE's default length).
 DEFAULT_HISTORY_ROWS = 1024
@@ -47,6 +48,22 @@ class ScalingBuffers(NamedTuple):
 
 def _buffer_name(direction: str, field: str) -> str:
     return f"fp8_{direction}_{field}"
+
+
+# Counts every replacement of any module's FP8 buffer tensors (.to(), growth, loads onto a
+# meta module), so code that caches buffer addresses across steps (the batched scale update's
+# pointer table) knows when to rebuild. Only ever increases.
+_BUFFER_GENERATION = [0]
+
+
+def buffer_generation() -> int:
+    """The current count of FP8 buffer replacements (see ``_BUFFER_GENERATION``)."""
+    return _BUFFER_GENERATION[0]
+
+
+def bump_buffer_generation() -> None:
+    """Record that some module's FP8 buffers may be new tensors."""
+    _BUFFER_GENERATION[0] += 1
 
 
 class FP8StateMixin(nn.Module):
@@ -127,6 +144,7 @@ class FP8StateMixin(nn.Module):
             for field, tensor in initial.items():
                 self.register_buffer(_buffer_name(d, field), tensor, persistent=False)
         self._fp8_num_gemms = num_gemms
+        bump_buffer_generation()  # a new module may reuse a dead one's id()
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
@@ -190,6 +208,7 @@ class FP8StateMixin(nn.Module):
         names = [_buffer_name(d, f) for d in DIRECTIONS for f in ScalingBuffers._fields]
         before = {name: self._buffers.get(name) for name in names}
         result = super()._apply(fn, recurse)
+        bump_buffer_generation()
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
@@ -231,13 +250,18 @@ class FP8StateMixin(nn.Module):
         recipe = recipe or self.fp8_recipe
         self.fp8_recipe = recipe  # grows the buffers first if the window needs more rows
         meta = self.fp8_meta(direction)
-        scale, scale_inv = scaling.update_scale(
-            meta.amax_history, meta.scale,
-            window=recipe.amax_history_len, algo=recipe.amax_compute_algo,
-            fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin,
-        )
-        meta.scale.copy_(scale)
-        meta.scale_inv.copy_(scale_inv)
+        window, algo = recipe.amax_history_len, recipe.amax_compute_algo
+        fp8_max, margin = recipe.fp8_format.max(direction), recipe.margin
+        if fused_update_available(meta.scale.device):
+            from fp8state.kernels.triton_update import update_scales_
+
+            update_scales_(meta.amax_history, meta.scale, meta.scale_inv, window=window,
+                           algo=algo, fp8_max=fp8_max, margin=margin)
+        else:
+            scale, scale_inv = scaling.update_scale(meta.amax_history, meta.scale, window=window,
+                                                    algo=algo, fp8_max=fp8_max, margin=margin)
+            meta.scale.copy_(scale)
+            meta.scale_inv.copy_(scale_inv)
         self._fp8_new_step[direction] = True
 
     def _fp8_ensure_rows(self, rows: int) -> None:
@@ -255,6 +279,7 @@ class FP8StateMixin(nn.Module):
             new = old.new_zeros(rows, old.shape[1])
             new[:current] = old
             setattr(self, _buffer_name(d, "amax_history"), new)
+        bump_buffer_generation()
 
     # ------------------------------------------------------------------ checkpointing
     def get_extra_state(self) -> dict[str, torch.Tensor]:
@@ -263,11 +288,7 @@ class FP8StateMixin(nn.Module):
         One device-to-host transfer at most and no device-wide synchronize. A module on
         ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
         """
-        state = self.fp8_state()
-        if state.fwd.scale.device.type == "meta":
-            return {k: torch.empty_like(v, device="meta") for k, v in pack(
-                _as_cpu_placeholder(state)).items()}
-        return pack(state)
+        return meta_io.payload_of(self.fp8_state())
 
     def set_extra_state(self, state: Any) -> None:
         """Validate ``state`` fully, then copy it onto the module's own device.
@@ -291,52 +312,12 @@ class FP8StateMixin(nn.Module):
         self._fp8_apply(validated)
 
     def _fp8_validate(self, state: Any) -> FP8State:
-        num_gemms = self._require_meta()
-        if not (isinstance(state, Mapping) and "schema_version" in state):
-            # A TransformerEngine value of any era: decoded without TE and without running
-            # pickled code (docs/migration.md). Imported here: fp8state payloads never need it.
-            from fp8state.migrate import decode_te_extra_state
-            from fp8state.schema import default_payload
+        """Validate ``state`` for this module without changing it (see meta_io.validate_for)."""
+        return meta_io.validate_for(self, state)
 
-            state = decode_te_extra_state(state, num_gemms=num_gemms)
-            if state is None:
-                # TE saved no FP8 state (FP8 never ran, or a stateless recipe): load fresh
-                # metadata (zero history, scales 1) and keep the module's recipe and rows.
-                rows = self.fp8_meta("fwd").amax_history.shape[0]
-                state = default_payload(num_gemms, rows=rows, recipe=self.fp8_recipe)
-        return unpack(_onto(state, self.fp8_meta("fwd").scale.device), num_gemms=num_gemms)
-
-    @torch.no_grad()
     def _fp8_apply(self, state: FP8State) -> None:
-        rows_mod = self.fp8_meta("fwd").amax_history.shape[0]
-        rows_ck = state.rows
-        if rows_ck != rows_mod:
-            warnings.warn(
-                f"{type(self).__name__}: checkpoint amax history has {rows_ck} rows, the module "
-                f"{rows_mod}; {'zero-padding' if rows_ck < rows_mod else 'growing the buffer'} "
-                f"to {max(rows_ck, rows_mod)} rows, nothing dropped.",
-                stacklevel=3,
-            )
-        rows = max(rows_ck, rows_mod)
-        for d in DIRECTIONS:
-            src = state.direction(d)
-            live = self.fp8_meta(d)
-            materialize = live.scale.device.type == "meta" or rows != rows_mod
-            device = src.scale.device if live.scale.device.type == "meta" else live.scale.device
-            for field in ScalingBuffers._fields:
-                value = getattr(src, field)
-                target = getattr(live, field)
-                if materialize:
-                    shape = (rows, value.shape[1]) if field == "amax_history" else value.shape
-                    target = torch.zeros(shape, dtype=torch.float32, device=device)
-                    setattr(self, _buffer_name(d, field), target)
-                if field == "amax_history" and rows_ck < rows:
-                    target[rows_ck:].zero_()
-                    target = target[:rows_ck]
-                target.copy_(value)
-        self.fp8_recipe = state.recipe
-        self._fp8_new_step = {d: True for d in DIRECTIONS}
-        self.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
+        meta_io.apply_to(self, state)
+        bump_buffer_generation()
 
     def _load_from_state_dict(
         self,
@@ -362,37 +343,3 @@ class FP8StateMixin(nn.Module):
             )
         finally:
             self._fp8_pending_load = None
-
-
-def _onto(state: Any, device: torch.device) -> Any:
-    """``state`` with tensors on a third device moved to ``device`` (CPU for a meta module).
-
-    Validation computes on the payload's tensors; a payload loaded onto another GPU
-    (``map_location="cuda:0"`` for a module on cuda:1) would otherwise allocate its temporaries
-    there. CPU tensors stay: validating them allocates nothing on any GPU.
-    """
-    if not isinstance(state, Mapping):
-        return state
-    target = torch.device("cpu") if device.type == "meta" else device
-    foreign = [
-        k for k, v in state.items()
-        if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")
-        and v.device != target
-    ]
-    if not foreign:
-        return state
-    moved = dict(state)
-    for k in foreign:
-        moved[k] = state[k].to(target)
-    return moved
-
-
-def _as_cpu_placeholder(state: FP8State) -> FP8State:
-    """Zeros on CPU shaped like ``state`` (for the shapes of a meta module's payload)."""
-
-    def empty(d: DirectionState) -> DirectionState:
-        # device="cpu": inside `with torch.device("meta")` the default device is meta.
-        return DirectionState(*(torch.zeros(t.shape, device="cpu")
-                                for t in (d.amax_history, d.scale, d.scale_inv)))
-
-    return FP8State(empty(state.fwd), empty(state.bwd), state.recipe)

@@ -1,0 +1,131 @@
+"""Delayed-scaling update on CUDA: window amax, scale and scale_inv, for many modules at once.
+
+Computes exactly what :func:`fp8state.scaling.update_scale` computes, with the same float32
+operations in the same order (IEEE-rounded divisions, the same clamps), so the results are
+bit-identical. :func:`update_scales_` serves one module and direction in one launch instead of
+about ten; :func:`batched_update_scales_` serves any number of modules in one launch, reading
+each module's buffers through a table of pointers (no concatenation, no copies back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8state.scaling import FLOAT32_MAX, FLOAT32_TINY
+
+__all__ = ["update_scales_", "batched_update_scales_", "PointerTable"]
+
+
+@triton.jit
+def _new_scale(hist, scale_ptr, inv_ptr, cols, mask, n, window, fp8_max, margin,
+               MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, f32_tiny, f32_max):
+    amax = tl.load(hist + cols, mask=mask, other=0.0)
+    if not MOST_RECENT:
+        for row in range(1, window):
+            amax = tl.maximum(amax, tl.load(hist + row * n + cols, mask=mask, other=0.0))
+    prev = tl.load(scale_ptr + cols, mask=mask, other=1.0)
+    scale = tl.math.div_rn(tl.full([BLOCK], fp8_max, tl.float32), amax)
+    remaining = margin
+    while remaining > 0:
+        step = tl.minimum(remaining, 126)
+        # 2**step built from its exponent bits: exact, unlike an exp2 approximation.
+        power = ((step + 127) << 23).to(tl.float32, bitcast=True)
+        scale = tl.math.div_rn(scale, power)
+        remaining -= step
+    scale = tl.minimum(tl.maximum(scale, f32_tiny), f32_max)
+    usable = (amax > 0.0) & (amax < float("inf"))
+    scale = tl.where(usable, scale, prev)
+    tl.store(scale_ptr + cols, scale, mask=mask)
+    tl.store(inv_ptr + cols, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), scale),
+             mask=mask)
+
+
+@triton.jit
+def _update_kernel(hist_ptr, scale_ptr, inv_ptr, n, window, fp8_max, margin,
+                   MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, f32_tiny, f32_max):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _new_scale(hist_ptr, scale_ptr, inv_ptr, cols, cols < n, n, window, fp8_max, margin,
+               MOST_RECENT, BLOCK, f32_tiny, f32_max)
+
+
+@triton.jit
+def _batched_kernel(hist_ptrs, scale_ptrs, inv_ptrs, ns, windows, fp8_max, margin,
+                    MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, f32_tiny, f32_max):
+    pid = tl.program_id(0)
+    n = tl.load(ns + pid)
+    window = tl.load(windows + pid)
+    hist = tl.load(hist_ptrs + pid).to(tl.pointer_type(tl.float32))
+    scale_ptr = tl.load(scale_ptrs + pid).to(tl.pointer_type(tl.float32))
+    inv_ptr = tl.load(inv_ptrs + pid).to(tl.pointer_type(tl.float32))
+    cols = tl.arange(0, BLOCK)
+    _new_scale(hist, scale_ptr, inv_ptr, cols, cols < n, n, window, fp8_max, margin,
+               MOST_RECENT, BLOCK, f32_tiny, f32_max)
+
+
+def update_scales_(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    window: int,
+    algo: str,
+    fp8_max: float,
+    margin: int,
+) -> None:
+    """In place: ``scale, scale_inv = scaling.update_scale(history, scale, ...)``.
+
+    Args:
+        history: ``(rows, n)`` contiguous float32 CUDA tensor, row 0 most recent.
+        scale: ``(n,)`` contiguous float32, read as the previous scale and overwritten.
+        scale_inv: ``(n,)`` contiguous float32, overwritten.
+        window: Rows the ``"max"`` algorithm reads.
+        algo: ``"max"`` or ``"most_recent"``.
+        fp8_max: Largest value of the direction's FP8 dtype.
+        margin: ``DelayedScaling.margin``.
+    """
+    n = history.shape[1]
+    block = min(1024, triton.next_power_of_2(max(n, 16)))
+    _update_kernel[(triton.cdiv(n, block),)](
+        history, scale, scale_inv, n, min(window, history.shape[0]), float(fp8_max),
+        min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=block,
+        f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
+    )
+
+
+class PointerTable:
+    """Device-side addresses of many modules' buffers, built once and reused every step.
+
+    Valid only while those exact tensors are the modules' buffers; the caller rebuilds it
+    when any buffer is replaced (``FP8StateMixin`` counts such replacements).
+    """
+
+    def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                 scale_invs: Sequence[torch.Tensor], window: int) -> None:
+        device = histories[0].device
+        self.count = len(histories)
+        self.block = triton.next_power_of_2(max(16, max(h.shape[1] for h in histories)))
+
+        def table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
+                                device=device)
+
+        self.hist, self.scale, self.inv = table(histories), table(scales), table(scale_invs)
+        self.ns = torch.tensor([h.shape[1] for h in histories], dtype=torch.int32, device=device)
+        self.windows = torch.tensor([min(window, h.shape[0]) for h in histories],
+                                    dtype=torch.int32, device=device)
+        # The tensors themselves, so their memory cannot be freed while the table points at it.
+        self._keep = (tuple(histories), tuple(scales), tuple(scale_invs))
+
+
+def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float,
+                           margin: int) -> None:
+    """:func:`update_scales_` for every module of ``table``, in one launch."""
+    _batched_kernel[(table.count,)](
+        table.hist, table.scale, table.inv, table.ns, table.windows, float(fp8_max),
+        min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=table.block,
+        f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
+    )
