@@ -99,3 +99,4 @@ def _update_batched(direction: str, recipe: DelayedScaling,
                            fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin)
     for module in members.values():
         module._fp8_new_step[direction] = True
+        module._fp8_mutations += 1

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fp8state import meta_io, scaling
+from fp8state import meta_io, scaling, staging
 from fp8state.cast import fused_update_available
 from fp8state.errors import ConfigError, FP8StateError
 from fp8state.recipe import DelayedScaling
@@ -144,7 +144,11 @@ class FP8StateMixin(nn.Module):
             for field, tensor in initial.items():
                 self.register_buffer(_buffer_name(d, field), tensor, persistent=False)
         self._fp8_num_gemms = num_gemms
+        #: Bumped by every change of the metadata made through this class (records, updates,
+        #: loads, growth), so a staged payload (fp8state.staging) knows when it is stale.
+        self._fp8_mutations = 0
         bump_buffer_generation()  # a new module may reuse a dead one's id()
+        staging.register(self)
         # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
@@ -234,6 +238,7 @@ class FP8StateMixin(nn.Module):
         so a kernel can max-combine its amax straight into the returned view.
         """
         hist = self.fp8_meta(direction).amax_history
+        self._fp8_mutations += 1  # a kernel may write the cell without bumping its _version
         if self._fp8_new_step[direction]:
             hist.copy_(scaling.shift_history(hist))
             self._fp8_new_step[direction] = False
@@ -263,6 +268,7 @@ class FP8StateMixin(nn.Module):
             meta.scale.copy_(scale)
             meta.scale_inv.copy_(scale_inv)
         self._fp8_new_step[direction] = True
+        self._fp8_mutations += 1
 
     def _fp8_ensure_rows(self, rows: int) -> None:
         """Grow the history buffers to ``rows`` rows (zeros appended), warning once."""
@@ -288,7 +294,18 @@ class FP8StateMixin(nn.Module):
         One device-to-host transfer at most and no device-wide synchronize. A module on
         ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
         """
-        return meta_io.payload_of(self.fp8_state())
+        state = self.fp8_state()
+        device = state.fwd.scale.device
+        if device.type != "meta":
+            # model.state_dict() asks every module in turn: the first request stages them all
+            # with one transfer, the others take their payload (see fp8state.staging).
+            payload = staging.take(self)
+            if payload is None:
+                staging.stage(device)
+                payload = staging.take(self)
+            if payload is not None:
+                return payload
+        return meta_io.payload_of(state)
 
     def set_extra_state(self, state: Any) -> None:
         """Validate ``state`` fully, then copy it onto the module's own device.
@@ -317,6 +334,7 @@ class FP8StateMixin(nn.Module):
 
     def _fp8_apply(self, state: FP8State) -> None:
         meta_io.apply_to(self, state)
+        self._fp8_mutations += 1
         bump_buffer_generation()
 
     def _load_from_state_dict(

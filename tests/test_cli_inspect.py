@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from te_gen import Module, Spec, build, save
 from te_gen.expect import FIXTURES
 
 import fp8state
-from fp8state.cli import main
+from fp8state.checkpoint import dcp_save
+from fp8state.cli import EXIT_BROKEN_PIPE, main
 
 LEGACY = FIXTURES / "te_legacy"
 REAL = FIXTURES / "te_real_2.20"
@@ -102,14 +107,6 @@ def test_console_entry_point_prints_no_traceback() -> None:
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path, monkeypatch) -> None:
     """`fp8state inspect ... | head`: no BrokenPipeError traceback, the shell's exit code."""
-    import io
-    import os
-
-    import torch
-
-    import fp8state
-    from fp8state.cli import EXIT_BROKEN_PIPE, main
-
     path = tmp_path / "ckpt.pt"
     torch.save(fp8state.Linear(16, 16).state_dict(), path)
     read_end, write_end = os.pipe()
@@ -120,8 +117,94 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, monkeypatch) -> None:
 
 
 def test_os_errors_are_one_line(tmp_path, capsys) -> None:
-    from fp8state.cli import main
-
     assert main(["inspect", str(tmp_path / "missing.pt")]) != 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("fp8state inspect: error:") and "\n" not in err
+
+
+# ------------------------------------------------------------------ DCP folders (issue 5)
+
+
+def _trained_linears() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(fp8state.Linear(16, 16), fp8state.Linear(16, 8, bias=False))
+    for _ in range(2):
+        with fp8state.fp8_autocast():
+            model(torch.randn(4, 16)).sum().backward()
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_folder_shows_what_the_same_torch_save_file_shows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model = _trained_linears()
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    torch.save(model.state_dict(), tmp_path / "same.pt")
+    code, out, err = _inspect(capsys, str(tmp_path / "dcp"), "--json")
+    assert code == 0 and not err
+    from_dcp = json.loads(out)
+    _, out, _ = _inspect(capsys, str(tmp_path / "same.pt"), "--json")
+    from_file = json.loads(out)
+    assert from_dcp["source"] == str(tmp_path / "dcp") and from_dcp["state_dicts"] == [""]
+    assert [m["module"] for m in from_dcp["modules"]] == ["0", "1"]
+    for row_dcp, row_file in zip(from_dcp["modules"], from_file["modules"], strict=True):
+        assert row_dcp["saved_locations"] == [] and row_file["saved_locations"] == ["cpu"]
+        row_dcp.pop("saved_locations"), row_file.pop("saved_locations")
+        assert row_dcp == row_file  # era, slots, rows, scale and amax ranges, recipe
+    scales = torch.cat([model[0].fp8_meta(d).scale for d in ("fwd", "bwd")])
+    assert from_dcp["modules"][0]["scale_range"] == [float(scales.min()), float(scales.max())]
+    code, table, _ = _inspect(capsys, str(tmp_path / "dcp"))
+    assert code == 0 and f"2 FP8 module(s) in {tmp_path / 'dcp'}" in table
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_folder_with_the_model_under_a_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    dcp_save(_trained_linears(), tmp_path / "dcp", key="model")
+    code, out, _ = _inspect(capsys, str(tmp_path / "dcp"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["state_dicts"] == ["model"]
+    assert [(m["module"], m["slots"]) for m in doc["modules"]] == [
+        ("0", {"fwd": 3, "bwd": 2}), ("1", {"fwd": 3, "bwd": 2})]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_crafted_dcp_metadata_runs_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    folder, marker = tmp_path / "dcp", tmp_path / "ran"
+    dcp.save(fp8state.Linear(4, 4).state_dict(), checkpoint_id=str(folder), no_dist=True)
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return os.system, (f"touch {marker}",)
+
+    with open(folder / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    metadata.planner_data = Payload()
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    code, out, err = _inspect(capsys, str(folder))
+    assert code == 1 and not out and not marker.exists()
+    assert err.count("\n") == 1 and "posix.system" in err and "Nothing was executed" in err
+
+
+def test_folder_that_is_not_a_dcp_checkpoint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = _inspect(capsys, str(tmp_path))
+    assert code == 1 and not out
+    assert err.count("\n") == 1 and "a folder without .metadata" in err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_console_entry_point_reads_a_dcp_folder_quietly(tmp_path: Path) -> None:
+    dcp.save(_trained_linears().state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "fp8state.cli", "inspect", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0 and run.stderr == ""  # not even DCP's single-process warning
+    assert "2 FP8 module(s)" in run.stdout

@@ -8,7 +8,8 @@
   FSDP2 models; N ranks save, M ranks load. :func:`check_fp8_metadata_replicated` is the
   check :func:`dcp_save` runs so that DCP's de-duplication never drops a rank's metadata.
 - :func:`consolidate`: a DCP folder to one ``torch.save`` file; :func:`load_dcp_state_dict`
-  and :func:`read_dcp_metadata` read DCP folders without a model.
+  and :func:`read_dcp_metadata` read DCP folders without a model (``load_dcp_state_dict(...,
+  trusted=False)`` runs nothing pickled in a folder of unknown origin).
 
 The rules behind them are in ``docs/checkpoints.md``.
 """

@@ -4,8 +4,8 @@ Validation needs the model's keys, shapes and FP8 modules without running ``get_
 (which copies every module's metadata to the host). It also needs the canonical names that
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` uses, which drop wrapper
 segments: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.`` and activation checkpointing's
-``_checkpoint_wrapped_module.``. A state dict may use either spelling; :func:`resolve_key` maps
-both to the model's own key.
+``_checkpoint_wrapped_module.``. A state dict may use either spelling;
+:meth:`KeyResolver.resolve` maps both to the model's own key.
 """
 
 from __future__ import annotations

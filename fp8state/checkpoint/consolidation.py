@@ -17,6 +17,7 @@ import torch
 from fp8state.checkpoint._entries import is_fp8_payload, iter_extra_states
 from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
+from fp8state.checkpoint.io import refused_global
 from fp8state.errors import CheckpointError, FP8StateError
 from fp8state.schema import unpack
 
@@ -124,8 +125,9 @@ def consolidate(
         try:
             back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as err:
+            what = refused_global(err) or str(err).splitlines()[0]
             raise CheckpointError(
-                os.fspath(dcp_dir), f"items torch.load(weights_only=True) refuses ({err})",
+                os.fspath(dcp_dir), f"items torch.load(weights_only=True) refuses ({what})",
                 "tensors and plain containers only",
                 "Nothing was written. The checkpoint holds pickled Python objects besides the "
                 "model (e.g. a custom optimizer state); save those separately.",

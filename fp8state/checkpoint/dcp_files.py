@@ -22,7 +22,7 @@ from fp8state.errors import CheckpointError
 
 __all__ = ["DCPEntry", "is_dcp_checkpoint", "read_dcp_metadata", "load_dcp_state_dict"]
 
-_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint.filesystem writes this name
+METADATA_FILE = ".metadata"  # torch.distributed.checkpoint.filesystem writes this name
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class DCPEntry:
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
     """True if ``path`` is a folder holding a DCP checkpoint (it has a ``.metadata`` file)."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, _METADATA_FILE))
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
 def _require_dcp(path: str | os.PathLike[str]) -> None:
@@ -54,11 +54,40 @@ def _require_dcp(path: str | os.PathLike[str]) -> None:
     if not is_dcp_checkpoint(path):
         raise CheckpointError(
             os.fspath(path),
-            "a file" if os.path.isfile(path) else f"a folder without {_METADATA_FILE}",
+            "a file" if os.path.isfile(path) else f"a folder without {METADATA_FILE}",
             "a torch.distributed.checkpoint folder",
             "Pass the folder dcp.save wrote; read a torch.save file with "
             "fp8state.checkpoint.load.",
         )
+
+
+def unreadable_metadata(path: str | os.PathLike[str], err: BaseException) -> CheckpointError:
+    """The error for a ``.metadata`` file that cannot be unpickled (truncated, corrupt)."""
+    return CheckpointError(
+        os.path.join(os.fspath(path), METADATA_FILE),
+        f"an unreadable metadata file ({type(err).__name__}: {err})",
+        "the metadata dcp.save wrote", "The checkpoint is incomplete or corrupt.",
+    )
+
+
+def dcp_failure(err: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException``, which wraps each rank's one.
+
+    Its own text is many lines (tracebacks included); the CLI prints errors as one line.
+    """
+    if isinstance(err, CheckpointException):
+        return next((cause for cause, _trace in err.failures.values()), err)
+    return err
+
+
+def unreadable_items(path: str | os.PathLike[str], err: BaseException) -> CheckpointError:
+    """The error for a failed DCP read, naming the cause (see :func:`dcp_failure`)."""
+    err = dcp_failure(err)
+    return CheckpointError(
+        os.fspath(path), f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
+        "a complete DCP checkpoint",
+        "A shard file (*.distcp) is missing or damaged; copy the whole folder again.",
+    )
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
@@ -67,11 +96,7 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     try:
         return dcp.FileSystemReader(os.fspath(path)).read_metadata()
     except Exception as err:  # DCP raises assorted pickle/EOF errors for a damaged file
-        raise CheckpointError(
-            os.path.join(os.fspath(path), _METADATA_FILE),
-            f"an unreadable metadata file ({type(err).__name__}: {err})",
-            "the metadata dcp.save wrote", "The checkpoint is incomplete or corrupt.",
-        ) from err
+        raise unreadable_metadata(path, err) from err
 
 
 def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
@@ -101,7 +126,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
 
 
 def load_dcp_state_dict(
-    path: str | os.PathLike[str], keys: set[str] | None = None
+    path: str | os.PathLike[str], keys: set[str] | None = None, *, trusted: bool = True
 ) -> dict[str, Any]:
     """Read a DCP checkpoint into one nested state dict of CPU tensors, in this process.
 
@@ -112,6 +137,10 @@ def load_dcp_state_dict(
         path: The checkpoint folder.
         keys: Top-level keys (``"blocks.0.weight"``, ``"blocks.0._extra_state"``) to read;
             None reads everything.
+        trusted: True reads with DCP's own reader, which unpickles ``.metadata`` and every
+            non-tensor item with plain pickle: only for folders you trust. False runs
+            nothing from the folder (:mod:`fp8state.checkpoint.dcp_untrusted`; what
+            ``fp8state inspect`` does).
 
     Returns:
         The state dict as it was saved: ``_extra_state`` entries are fp8state's flat
@@ -119,6 +148,8 @@ def load_dcp_state_dict(
 
     Raises:
         CheckpointError: ``path`` is not a DCP folder, or reading it failed.
+        UnsafeCheckpointError: ``trusted=False`` and the folder names a Python global outside
+            the allow-lists (nothing was executed).
 
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp
@@ -130,6 +161,11 @@ def load_dcp_state_dict(
         ['fwd.scale']
     """
     _require_dcp(path)
+    if not trusted:
+        # Imported here: it pulls in fp8state.migrate's unpickler, which trusted reads skip.
+        from fp8state.checkpoint.dcp_untrusted import load_untrusted_dcp_state_dict
+
+        return load_untrusted_dcp_state_dict(path, keys)
     try:
         return _load_with_empty_planner(path, keys)
     except ImportError:
@@ -153,11 +189,7 @@ def _load_with_empty_planner(path: str | os.PathLike[str], keys: set[str] | None
             planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True,
         )
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
-        raise CheckpointError(
-            os.fspath(path), f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
-            "a complete DCP checkpoint",
-            "A shard file (*.distcp) is missing or damaged; copy the whole folder again.",
-        ) from err
+        raise unreadable_items(path, err) from err
     return state
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fp8state.checkpoint._entries import is_fp8_payload
 from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint.dcp_files import dcp_failure
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
 from fp8state.errors import CheckpointError, FP8StateError
@@ -49,9 +50,11 @@ def _dcp_call(where: str, action: str) -> Iterator[None]:
             raise
         except (Exception, CheckpointException) as err:
             # CheckpointException is a BaseException: `except Exception` in user code would
-            # not see it, so it is turned into the error this library documents.
+            # not see it, so it is turned into the error this library documents, naming the
+            # error it wraps (its own text is a traceback per rank).
+            cause = dcp_failure(err)
             raise CheckpointError(
-                where, f"DCP failed to {action} ({type(err).__name__}: {err})",
+                where, f"DCP failed to {action} ({type(cause).__name__}: {cause})",
                 f"DCP to {action} the checkpoint",
                 "Check the folder is complete and readable (or writable) on every rank.",
             ) from err

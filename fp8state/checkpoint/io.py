@@ -19,7 +19,7 @@ import torch
 from fp8state.checkpoint._entries import iter_extra_states
 from fp8state.errors import CheckpointError, LegacyFormatError, UnsafeCheckpointError
 
-__all__ = ["load", "find_legacy_extra_states"]
+__all__ = ["load", "find_legacy_extra_states", "refused_global"]
 
 _MIGRATE_FIX = (
     "Convert it once with `fp8state migrate IN OUT` (or fp8state.migrate.load_te_checkpoint"
@@ -63,19 +63,27 @@ def find_legacy_extra_states(obj: object) -> dict[str, str]:
     return found
 
 
+def refused_global(err: BaseException) -> str | None:
+    """The global torch's weights-only unpickler refused (``"argparse.Namespace"``), or None.
+
+    torch's message is many lines of advice; fp8state's one-line errors quote only the name.
+    """
+    match = _GLOBAL.search(str(err))
+    return match.group(1) if match else None
+
+
 def _describe(path: object) -> str:
     return os.fspath(path) if isinstance(path, (str, os.PathLike)) else f"<{type(path).__name__}>"
 
 
 def _unpickling_error(where: str, err: pickle.UnpicklingError) -> Exception:
-    match = _GLOBAL.search(str(err))
-    if match is None:
+    name = refused_global(err)
+    if name is None:
         return CheckpointError(
             where, f"a file the weights-only unpickler cannot read ({str(err).splitlines()[0]})",
             "a torch.save file of tensors and plain containers",
             "The file is corrupt or was not written by torch.save.",
         )
-    name = match.group(1)
     if name in ("_io.BytesIO", "io.BytesIO"):
         return LegacyFormatError(
             where, "io.BytesIO extra states (a TransformerEngine 0.12-1.13 checkpoint)",
@@ -144,7 +152,7 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") ->
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         # torch reports a damaged archive as RuntimeError, OSError (EINVAL) or EOFError.
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if "deserialize object on a CUDA device" in first or "CUDA device" in first:
+        if "CUDA device" in first:
             fix = "Leave map_location at its default 'cpu', or name a device this machine has."
         else:
             fix = "The file is truncated or corrupt; save it again or use an earlier copy."

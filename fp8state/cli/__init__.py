@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -18,8 +17,7 @@ from fp8state.errors import FP8StateError
 
 __all__ = ["main"]
 
-# Sub-command modules, in the order `fp8state --help` lists them. Imported lazily so that
-# `fp8state inspect` does not pay for what `fp8state demo` needs.
+# Sub-command modules, in the order `fp8state --help` lists them.
 _COMMANDS = {
     "demo": "fp8state.cli.demo",
     "inspect": "fp8state.cli.inspect_cmd",
@@ -33,14 +31,6 @@ EXIT_FP8STATE_ERROR = 1
 EXIT_BROKEN_PIPE = 141
 
 
-def _available() -> dict[str, str]:
-    found = {}
-    for name, module in _COMMANDS.items():
-        if importlib.util.find_spec(module) is not None:
-            found[name] = module
-    return found
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the console script; returns the exit code."""
     parser = argparse.ArgumentParser(
@@ -48,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = {}
-    for name, module_name in _available().items():
+    for name, module_name in _COMMANDS.items():
         module = importlib.import_module(module_name)
         modules[name] = module
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))

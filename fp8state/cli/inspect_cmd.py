@@ -1,7 +1,8 @@
 """``fp8state inspect PATH [--json]``: the FP8 modules of any checkpoint, one row each.
 
-Works for fp8state checkpoints and TransformerEngine checkpoints of every era; the file is read
-with the allow-list unpickler, onto the CPU, and nothing in it runs.
+Works for fp8state checkpoints and TransformerEngine checkpoints of every era, as one
+``torch.save`` file or a ``torch.distributed.checkpoint`` (DCP) folder. Everything is read
+through allow-lists, onto the CPU, and nothing pickled in it runs.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from fp8state.migrate.summary import summarize_checkpoint
 
 NAME = "inspect"
 HELP = (
-    "Show each FP8 module of a checkpoint (fp8state or TransformerEngine, any era): era, slots, "
-    "history length, scale and amax ranges, recipe, and the devices its tensors were saved on."
+    "Show each FP8 module of a checkpoint (fp8state or TransformerEngine, any era; a torch.save "
+    "file or a DCP folder): era, slots, history length, scale and amax ranges, recipe, and the "
+    "devices its tensors were saved on."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``PATH`` and ``--json``."""
-    parser.add_argument("path", metavar="PATH", help="checkpoint written by torch.save")
+    parser.add_argument(
+        "path", metavar="PATH",
+        help="a torch.save file, or a folder written by torch.distributed.checkpoint",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "load_te_checkpoint",
     "migrate_te_checkpoint",
     "convert_te_state_dict",
+    "convert_read_checkpoint",
     "infer_num_gemms",
     "STATE_DICT_KEYS",
 ]
@@ -206,9 +207,16 @@ def convert_te_state_dict(
     return out, report
 
 
-def _convert_read(
-    read: ReadCheckpoint, strict: bool, progress: Progress | None
+def convert_read_checkpoint(
+    read: ReadCheckpoint, *, strict: bool = True, progress: Progress | None = None
 ) -> tuple[Any, rpt.MigrationReport]:
+    """Convert what a reader returned (:func:`migrate_te_checkpoint` without the reading).
+
+    For other readers of checkpoints (``fp8state inspect`` reads DCP folders with one).
+
+    Raises:
+        LegacyFormatError: ``read.obj`` holds no state dict; or see :func:`load_te_checkpoint`.
+    """
     obj = read.obj
     report = rpt.MigrationReport(read.source, strict)
     if not isinstance(obj, Mapping):
@@ -255,7 +263,7 @@ def migrate_te_checkpoint(
     Raises:
         See :func:`load_te_checkpoint`.
     """
-    return _convert_read(read_checkpoint(source), strict, progress)
+    return convert_read_checkpoint(read_checkpoint(source), strict=strict, progress=progress)
 
 
 def load_te_checkpoint(

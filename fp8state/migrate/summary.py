@@ -8,8 +8,10 @@ from typing import IO, Any
 
 import torch
 
+from fp8state.checkpoint.dcp_files import load_dcp_state_dict
 from fp8state.migrate import report as rpt
-from fp8state.migrate.checkpoint import migrate_te_checkpoint
+from fp8state.migrate.checkpoint import convert_read_checkpoint
+from fp8state.migrate.reader import ReadCheckpoint, read_checkpoint
 
 __all__ = ["ModuleRow", "CheckpointSummary", "summarize_checkpoint"]
 
@@ -145,14 +147,28 @@ def _row(entry: rpt.EntryReport) -> ModuleRow:
     )
 
 
+def _read(source: str | os.PathLike[str] | IO[bytes]) -> ReadCheckpoint:
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        # A folder can only be a DCP checkpoint (load_dcp_state_dict says so if it is not).
+        # DCP records no devices, so its rows have no saved locations.
+        state = load_dcp_state_dict(source, trusted=False)
+        return ReadCheckpoint(state, os.fspath(source))
+    return read_checkpoint(source)
+
+
 def summarize_checkpoint(source: str | os.PathLike[str] | IO[bytes]) -> CheckpointSummary:
     """Read a checkpoint (fp8state's or TE's, any era) safely and describe its FP8 modules.
+
+    ``source`` is a ``torch.save`` file (a path or a binary file object), or a
+    ``torch.distributed.checkpoint`` folder. Nothing pickled in either runs: files go through
+    the allow-list unpickler, folders through ``load_dcp_state_dict(..., trusted=False)``.
 
     Raises:
         UnsafeCheckpointError, LegacyFormatError, SchemaError: as
             :func:`fp8state.migrate.load_te_checkpoint` with ``strict=True``.
+        CheckpointError: a folder that is not a readable DCP checkpoint.
     """
-    _, report = migrate_te_checkpoint(source, strict=True)
+    _, report = convert_read_checkpoint(_read(source), strict=True)
     summary = CheckpointSummary(report.source, report.state_dicts)
     for entry in report.entries:
         if entry.action in (rpt.CONVERTED, rpt.KEPT):

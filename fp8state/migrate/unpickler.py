@@ -118,11 +118,12 @@ ALLOWED: dict[tuple[str, str], Any] = {
 def _setstate_checked(inst: object, state: object) -> None:
     """``BUILD``: the only types whose state a TE checkpoint legitimately restores."""
     if type(inst) is io.BytesIO:
-        # BytesIO.__reduce__ state: (bytes, position, __dict__ or None).
+        # BytesIO.__reduce__ state: (bytes, position, __dict__ or None). The dict is empty once
+        # anything looked an attribute up (DCP does before it saves one); nothing else is set.
         ok = (
             isinstance(state, tuple) and len(state) == 3
             and isinstance(state[0], (bytes, bytearray)) and isinstance(state[1], int)
-            and state[2] is None
+            and (state[2] is None or (type(state[2]) is dict and not state[2]))
         )
         if ok:
             inst.__setstate__(state)  # type: ignore[attr-defined]

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import tempfile
 from typing import Any
 
 import torch
 
+from fp8state.checkpoint.io import refused_global
 from fp8state.errors import CheckpointError
 
 __all__ = ["save_atomically"]
-
-_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def save_atomically(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -41,8 +39,7 @@ def save_atomically(obj: Any, path: str | os.PathLike[str]) -> None:
         try:
             torch.load(tmp, weights_only=True, map_location="cpu", mmap=True)
         except Exception as err:
-            match = _GLOBAL.search(str(err))
-            what = match.group(1) if match else " ".join(str(err).split())[:160]
+            what = refused_global(err) or " ".join(str(err).split())[:160]
             raise CheckpointError(
                 path, f"a converted checkpoint holding {what}, which torch.load(weights_only="
                 "True) refuses", "only tensors, plain containers and scalars",

@@ -1,4 +1,4 @@
-"""Parameter helpers shared by the modules: nn.Linear's initialization and norm dispatch."""
+"""Parameter helpers shared by the modules: creation, initialization as in torch.nn, norms."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from torch import nn
 
 from fp8state.errors import ConfigError
 
-__all__ = ["NORMALIZATIONS", "check_normalization", "new_param", "reset_linear_", "normalize"]
+__all__ = [
+    "NORMALIZATIONS",
+    "check_normalization",
+    "new_param",
+    "new_norm_params",
+    "reset_linear_",
+    "reset_norm_",
+    "normalize",
+]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -31,6 +39,29 @@ def new_param(
     return nn.Parameter(
         torch.empty(*shape, dtype=dtype or torch.get_default_dtype(), device=device)
     )
+
+
+def new_norm_params(
+    size: int,
+    normalization: str,
+    *,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A norm's uninitialized ``(weight, bias)``; the bias is None for ``"RMSNorm"``."""
+    weight = new_param(size, dtype=dtype, device=device)
+    bias = new_param(size, dtype=dtype, device=device) if normalization == "LayerNorm" else None
+    return weight, bias
+
+
+@torch.no_grad()
+def reset_norm_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Weight 1 and bias 0, as ``nn.LayerNorm`` and ``nn.RMSNorm`` start (nothing on ``meta``)."""
+    if weight.device.type == "meta":
+        return
+    nn.init.ones_(weight)
+    if bias is not None:
+        nn.init.zeros_(bias)
 
 
 @torch.no_grad()

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import _fp8_linear
-from fp8state.modules._params import check_normalization, new_param, normalize, reset_linear_
+from fp8state.modules._params import (
+    check_normalization,
+    new_norm_params,
+    new_param,
+    normalize,
+    reset_linear_,
+    reset_norm_,
+)
 
 __all__ = ["LayerNormLinear"]
 
@@ -47,10 +53,8 @@ class LayerNormLinear(FP8StateMixin):
         self.eps = eps
         self.normalization = normalization
         self.return_layernorm_output = return_layernorm_output
-        self.layer_norm_weight = new_param(in_features, dtype=params_dtype, device=device)
-        self.layer_norm_bias = (
-            new_param(in_features, dtype=params_dtype, device=device)
-            if normalization == "LayerNorm" else None
+        self.layer_norm_weight, self.layer_norm_bias = new_norm_params(
+            in_features, normalization, dtype=params_dtype, device=device
         )
         self.weight = new_param(out_features, in_features, dtype=params_dtype, device=device)
         self.bias = new_param(out_features, dtype=params_dtype, device=device) if bias else None
@@ -59,10 +63,7 @@ class LayerNormLinear(FP8StateMixin):
 
     def reset_parameters(self) -> None:
         """Norm weight 1 and bias 0; the linear part as ``nn.Linear``."""
-        if self.layer_norm_weight.device.type != "meta":
-            nn.init.ones_(self.layer_norm_weight)
-            if self.layer_norm_bias is not None:
-                nn.init.zeros_(self.layer_norm_bias)
+        reset_norm_(self.layer_norm_weight, self.layer_norm_bias)
         reset_linear_(self.weight, self.bias)
 
     def forward(

@@ -6,12 +6,18 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import _fp8_linear
-from fp8state.modules._params import check_normalization, new_param, normalize, reset_linear_
+from fp8state.modules._params import (
+    check_normalization,
+    new_norm_params,
+    new_param,
+    normalize,
+    reset_linear_,
+    reset_norm_,
+)
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 
@@ -75,8 +81,9 @@ class LayerNormMLP(FP8StateMixin):
         self.return_layernorm_output = return_layernorm_output
         fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         param = functools.partial(new_param, dtype=params_dtype, device=device)
-        self.layer_norm_weight = param(hidden_size)
-        self.layer_norm_bias = param(hidden_size) if normalization == "LayerNorm" else None
+        self.layer_norm_weight, self.layer_norm_bias = new_norm_params(
+            hidden_size, normalization, dtype=params_dtype, device=device
+        )
         self.fc1_weight = param(fc1_out, hidden_size)
         self.fc1_bias = param(fc1_out) if bias else None
         self.fc2_weight = param(hidden_size, ffn_hidden_size)
@@ -86,10 +93,7 @@ class LayerNormMLP(FP8StateMixin):
 
     def reset_parameters(self) -> None:
         """Norm weight 1 and bias 0; fc1 and fc2 as ``nn.Linear``."""
-        if self.layer_norm_weight.device.type != "meta":
-            nn.init.ones_(self.layer_norm_weight)
-            if self.layer_norm_bias is not None:
-                nn.init.zeros_(self.layer_norm_bias)
+        reset_norm_(self.layer_norm_weight, self.layer_norm_bias)
         reset_linear_(self.fc1_weight, self.fc1_bias)
         reset_linear_(self.fc2_weight, self.fc2_bias)
 

@@ -5,15 +5,51 @@ They run no GEMM, so they hold no FP8 metadata and have no ``_extra_state``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from fp8state.modules._params import new_param, normalize
+from fp8state.modules._params import new_norm_params, normalize, reset_norm_
 
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-class LayerNorm(nn.Module):
+class _Norm(nn.Module):
+    """The body both norms share; a subclass only names its ``normalization``."""
+
+    normalization: ClassVar[str]
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        weight, bias = new_norm_params(
+            hidden_size, self.normalization, dtype=params_dtype, device=device
+        )
+        self.weight = weight
+        if bias is not None:  # RMSNorm has no bias attribute at all, as nn.RMSNorm
+            self.bias = bias
+        self.reset_parameters()
+
+    def _bias(self) -> torch.Tensor | None:
+        return getattr(self, "bias", None)
+
+    def reset_parameters(self) -> None:
+        """Weight 1 (and bias 0), as ``torch.nn`` initializes the norm."""
+        reset_norm_(self.weight, self._bias())
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """Normalize the last dimension of ``inp``."""
+        return normalize(inp, self.normalization, self.weight, self._bias(), self.eps)
+
+
+class LayerNorm(_Norm):
     """``nn.LayerNorm(hidden_size, eps)``; state-dict keys ``weight`` and ``bias``.
 
     Args:
@@ -23,31 +59,10 @@ class LayerNorm(nn.Module):
         device: Device of the parameters.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-5,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = new_param(hidden_size, dtype=params_dtype, device=device)
-        self.bias = new_param(hidden_size, dtype=params_dtype, device=device)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight 1, bias 0."""
-        if self.weight.device.type != "meta":
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Normalize the last dimension of ``inp``."""
-        return normalize(inp, "LayerNorm", self.weight, self.bias, self.eps)
+    normalization = "LayerNorm"
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_Norm):
     """``nn.RMSNorm(hidden_size, eps)``; state-dict key ``weight``.
 
     Args:
@@ -57,23 +72,4 @@ class RMSNorm(nn.Module):
         device: Device of the parameters.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-5,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = new_param(hidden_size, dtype=params_dtype, device=device)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight 1."""
-        if self.weight.device.type != "meta":
-            nn.init.ones_(self.weight)
-
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Normalize the last dimension of ``inp``."""
-        return normalize(inp, "RMSNorm", self.weight, None, self.eps)
+    normalization = "RMSNorm"

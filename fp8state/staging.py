@@ -1,0 +1,110 @@
+"""Batched ``get_extra_state``: every module's payload from one device-to-host transfer.
+
+``model.state_dict()`` asks each FP8 module for its extra state in turn; transferring each
+module's six small tensors separately costs one device synchronization per module (161 ms for
+1000 modules on an H200). Instead, the first request stages the metadata of every live FP8
+module on that device with one concatenation and one transfer, then hands each module its
+payload when it asks.
+
+A staged payload is handed out once, and only while it is still exact: the module's mutation
+counter (bumped by every record, update, load and buffer replacement through the mixin) and
+the version counters and identities of its six buffers (bumped by any in-place edit) must be
+unchanged since staging. Otherwise the module packs afresh. So a state dict taken right after
+training continues is always current, and one taken earlier never changes (its tensors are CPU
+copies).
+
+Each module's payload tensors share one small CPU storage of their own (views into a per-module
+block), so ``torch.save`` of one module's state writes only that module's bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from fp8state.schema import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from fp8state.mixin import FP8StateMixin
+
+__all__ = ["register", "take", "stage", "BUFFER_NAMES"]
+
+BUFFER_NAMES = tuple(
+    f"fp8_{d}_{f}" for d in ("fwd", "bwd") for f in ("amax_history", "scale", "scale_inv")
+)
+_PAYLOAD_NAMES = tuple(f"{d}.{f}" for d in ("fwd", "bwd")
+                       for f in ("amax_history", "scale", "scale_inv"))
+_RECIPE_NAMES = ("recipe.fp8_format", "recipe.margin", "recipe.amax_history_len",
+                 "recipe.amax_compute_algo")
+
+_LIVE: weakref.WeakSet[FP8StateMixin] = weakref.WeakSet()
+
+
+@dataclass
+class _Staged:
+    module: weakref.ref[FP8StateMixin]
+    stamp: tuple[object, ...]
+    payload: dict[str, torch.Tensor]
+
+
+_STAGED: dict[int, _Staged] = {}
+
+
+def register(module: FP8StateMixin) -> None:
+    """Make ``module`` part of future stagings (weakly: it can still be garbage-collected)."""
+    _LIVE.add(module)
+
+
+def _buffers_of(module: FP8StateMixin) -> list[torch.Tensor]:
+    # _buffers directly: nn.Module.__getattr__ is slow, and this runs per module.
+    return [cast(torch.Tensor, module._buffers[name]) for name in BUFFER_NAMES]
+
+
+def _stamp(module: FP8StateMixin) -> tuple[object, ...]:
+    return (module._fp8_mutations, module._fp8_recipe,
+            *((id(t), t._version) for t in _buffers_of(module)))
+
+
+def take(module: FP8StateMixin) -> dict[str, torch.Tensor] | None:
+    """``module``'s staged payload if it is still exact, else None; handed out once."""
+    entry = _STAGED.pop(id(module), None)
+    if entry is None or entry.module() is not module or entry.stamp != _stamp(module):
+        return None
+    return entry.payload
+
+
+@torch.no_grad()
+def stage(device: torch.device) -> None:
+    """Stage the payload of every live FP8 module whose metadata is on ``device``."""
+    modules = [m for m in list(_LIVE) if m._fp8_num_gemms is not None
+               and _buffers_of(m)[1].device == device]
+    _STAGED.clear()
+    if not modules:
+        return
+    buffers = [_buffers_of(m) for m in modules]
+    flat = torch.cat([t.reshape(-1) for bufs in buffers for t in bufs])
+    if device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()  # this copy only: no device-wide synchronization
+    else:
+        host = flat
+    scalars = torch.tensor(
+        [[SCHEMA_VERSION, *m._fp8_recipe.to_scalars().values()] for m in modules],
+        dtype=torch.int64,
+    )
+    blocks = host.split([sum(t.numel() for t in bufs) for bufs in buffers])
+    for module, bufs, block, ints in zip(modules, buffers, blocks, scalars, strict=True):
+        own = block.clone()  # this module's own storage
+        parts = own.split([t.numel() for t in bufs])
+        version, *recipe = ints.clone().unbind()
+        payload = {"schema_version": version}  # the key order of schema.pack
+        for name, part, buf in zip(_PAYLOAD_NAMES, parts, bufs, strict=True):
+            payload[name] = part.view(buf.shape)
+        payload.update(zip(_RECIPE_NAMES, recipe, strict=True))
+        _STAGED[id(module)] = _Staged(weakref.ref(module), _stamp(module), payload)

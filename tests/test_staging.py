@@ -1,0 +1,103 @@
+"""Batched get_extra_state (fp8state.staging): one transfer for a whole model, never stale."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from torch import nn
+
+import fp8state
+from fp8state import staging
+from fp8state.schema import pack
+
+
+def _model(n: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(fp8state.Linear(16, 16) for _ in range(n - 1)),
+                          fp8state.LayerNormMLP(16, 32))
+    _step(model)
+    return model
+
+
+def _step(model: nn.Module, scale: float = 1.0) -> None:
+    with fp8state.fp8_autocast(fp8_recipe=fp8state.DelayedScaling(amax_history_len=8)):
+        y = model(torch.randn(8, 16) * scale)
+    y.sum().backward()
+
+
+def _assert_payload_equal(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_staged_payloads_equal_the_per_module_ones() -> None:
+    model = _model()
+    staged = model.state_dict()
+    for i, module in enumerate(model):
+        _assert_payload_equal(staged[f"{i}._extra_state"], pack(module.fp8_state()))
+
+
+def test_one_staging_for_a_whole_state_dict(monkeypatch) -> None:
+    model = _model(6)
+    calls = []
+    real = staging.stage
+    monkeypatch.setattr(staging, "stage", lambda device: (calls.append(device), real(device)))
+    model.state_dict()
+    assert calls == [torch.device("cpu")]
+
+
+def test_state_dict_after_more_training_is_current_and_the_old_one_unchanged() -> None:
+    model = _model()
+    first = model.state_dict()
+    snapshot = {k: v.clone() for k, v in first["0._extra_state"].items()}
+    _step(model, scale=50.0)  # much larger amaxes: every used slot changes
+    second = model.state_dict()
+    _assert_payload_equal(first["0._extra_state"], snapshot)
+    _assert_payload_equal(second["0._extra_state"], pack(model[0].fp8_state()))
+    assert not torch.equal(second["0._extra_state"]["fwd.scale"], snapshot["fwd.scale"])
+
+
+def test_direct_buffer_edits_are_never_hidden_by_a_staged_copy() -> None:
+    model = _model()
+    staging.stage(torch.device("cpu"))
+    with torch.no_grad():
+        model[1].fp8_meta("fwd").scale.fill_(3.0)  # bypasses the mixin's API
+    assert torch.equal(model[1].get_extra_state()["fwd.scale"], torch.full((3,), 3.0))
+
+
+def test_loads_moves_and_recipe_changes_invalidate() -> None:
+    model = _model()
+    other = _model()
+    _step(other, scale=9.0)
+    staging.stage(torch.device("cpu"))
+    model[0].load_state_dict(other[0].state_dict())
+    model[1].to("cpu", torch.bfloat16)  # buffers stay float32, but may be new tensors
+    model[2].fp8_recipe = fp8state.DelayedScaling(amax_history_len=4)
+    for module in list(model)[:3]:
+        _assert_payload_equal(module.get_extra_state(), pack(module.fp8_state()))
+
+
+def test_each_module_payload_has_its_own_small_storage() -> None:
+    model = _model()
+    sd = model.state_dict()
+    storages = [{t.untyped_storage().data_ptr() for t in sd[f"{i}._extra_state"].values()}
+                for i in range(len(model))]
+    for i, a in enumerate(storages):
+        for b in storages[i + 1:]:
+            assert not a & b
+    buf = io.BytesIO()
+    torch.save(sd["0._extra_state"], buf)
+    own_bytes = sum(t.numel() * t.element_size() for t in sd["0._extra_state"].values())
+    assert buf.tell() < own_bytes + 4096  # its own bytes, not the whole model's
+
+
+def test_payload_is_handed_out_once() -> None:
+    model = _model(2)
+    a = model.state_dict()["0._extra_state"]
+    b = model.state_dict()["0._extra_state"]
+    assert a["fwd.scale"].untyped_storage().data_ptr() != b["fwd.scale"].untyped_storage(
+    ).data_ptr()
+    _assert_payload_equal(a, b)
