@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fp8state.cast import fused_update_available
-from fp8state.mixin import buffer_generation
+from fp8state.cast import kernels_available
+from fp8state.generation import buffer_generation
 from fp8state.recipe import DelayedScaling
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def reduce_and_update(direction: str, pending: PendingSteps) -> None:
             flat = torch.cat(rows)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
             torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
-        if len(modules) > 1 and fused_update_available(device):
+        if len(modules) > 1 and kernels_available(device):
             _update_batched(direction, recipe, members)
         else:
             for module in modules:

@@ -16,7 +16,7 @@ import torch
 
 from fp8state.quantize import finite_amax, quantize
 
-__all__ = ["cast_and_record", "fused_kernel_available", "fused_update_available"]
+__all__ = ["cast_and_record", "fused_kernel_available", "kernels_available"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -34,8 +34,8 @@ def fused_kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-def fused_update_available(device: torch.device) -> bool:
-    """Whether scale updates of metadata on ``device`` run as Triton kernels."""
+def kernels_available(device: torch.device) -> bool:
+    """Whether fp8state's Triton kernels (updates, gathers) run for tensors on ``device``."""
     return device.type == "cuda" and _triton_installed()
 
 

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from fp8state import meta_io, scaling, staging
-from fp8state.cast import fused_update_available
+from fp8state.cast import kernels_available
 from fp8state.errors import ConfigError, FP8StateError
+from fp8state.generation import bump_buffer_generation
 from fp8state.recipe import DelayedScaling
 from fp8state.schema import DIRECTIONS, DirectionState, FP8State, slots_per_gemm
 
-__all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS", "buffer_generation"]
+__all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS"]
 
 #: Rows of the amax history buffers unless a module asks for others (TE's default length).
 DEFAULT_HISTORY_ROWS = 1024
@@ -48,22 +49,6 @@ class ScalingBuffers(NamedTuple):
 
 def _buffer_name(direction: str, field: str) -> str:
     return f"fp8_{direction}_{field}"
-
-
-# Counts every replacement of any module's FP8 buffer tensors (.to(), growth, loads onto a
-# meta module), so code that caches buffer addresses across steps (the batched scale update's
-# pointer table) knows when to rebuild. Only ever increases.
-_BUFFER_GENERATION = [0]
-
-
-def buffer_generation() -> int:
-    """The current count of FP8 buffer replacements (see ``_BUFFER_GENERATION``)."""
-    return _BUFFER_GENERATION[0]
-
-
-def bump_buffer_generation() -> None:
-    """Record that some module's FP8 buffers may be new tensors."""
-    _BUFFER_GENERATION[0] += 1
 
 
 class FP8StateMixin(nn.Module):
@@ -257,7 +242,7 @@ class FP8StateMixin(nn.Module):
         meta = self.fp8_meta(direction)
         window, algo = recipe.amax_history_len, recipe.amax_compute_algo
         fp8_max, margin = recipe.fp8_format.max(direction), recipe.margin
-        if fused_update_available(meta.scale.device):
+        if kernels_available(meta.scale.device):
             from fp8state.kernels.triton_update import update_scales_
 
             update_scales_(meta.amax_history, meta.scale, meta.scale_inv, window=window,

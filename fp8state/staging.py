@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from fp8state.cast import kernels_available
+from fp8state.generation import buffer_generation
 from fp8state.schema import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -76,6 +78,26 @@ def take(module: FP8StateMixin) -> dict[str, torch.Tensor] | None:
     return entry.payload
 
 
+# The gather table of the last staged module set per device (rebuilt when any module's
+# buffers are replaced: fp8state.generation).
+_TABLES: dict[torch.device, tuple[tuple[object, ...], Any]] = {}
+
+
+def _gather(device: torch.device, modules: list[FP8StateMixin],
+            buffers: list[list[torch.Tensor]]) -> torch.Tensor:
+    """All buffers of all modules, flattened into one tensor in order, on ``device``."""
+    if not kernels_available(device):
+        return torch.cat([t.reshape(-1) for bufs in buffers for t in bufs])
+    from fp8state.kernels.triton_gather import GatherTable, gather
+
+    key = (tuple(id(m) for m in modules), buffer_generation())
+    cached = _TABLES.get(device)
+    if cached is None or cached[0] != key:
+        cached = (key, GatherTable([t for bufs in buffers for t in bufs]))
+        _TABLES[device] = cached
+    return gather(cached[1])
+
+
 @torch.no_grad()
 def stage(device: torch.device) -> None:
     """Stage the payload of every live FP8 module whose metadata is on ``device``."""
@@ -85,7 +107,7 @@ def stage(device: torch.device) -> None:
     if not modules:
         return
     buffers = [_buffers_of(m) for m in modules]
-    flat = torch.cat([t.reshape(-1) for bufs in buffers for t in bufs])
+    flat = _gather(device, modules, buffers)
     if device.type == "cuda":
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)

@@ -42,7 +42,7 @@ def test_batched_step_equals_module_by_module(monkeypatch) -> None:
                         lambda *a: (calls.append(a[0]), real(*a))[1])
     _train(model, 3)
     assert calls.count("fwd") == 3 and calls.count("bwd") == 3  # one launch per direction
-    monkeypatch.setattr(amax_reduction, "fused_update_available", lambda device: False)
+    monkeypatch.setattr(amax_reduction, "kernels_available", lambda device: False)
     _train(twin, 3)
     for a, b in zip(model, twin, strict=True):
         for d in ("fwd", "bwd"):
