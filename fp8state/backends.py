@@ -112,8 +112,10 @@ def fp8_gemm(
         ``"emulated"`` for shapes the kernel cannot take (dimensions not multiples of 16).
     """
     if backend == "scaled_mm" and _fits_scaled_mm(a_fp8, b_fp8):
-        # The kernel fuses the bias only in the output dtype; otherwise add it afterwards.
-        fused_bias = bias if bias is not None and bias.dtype == out_dtype else None
+        # The kernel fuses a bias only for 16-bit outputs of the bias's dtype (torch 2.11
+        # refuses one with float32 output); otherwise it is added afterwards.
+        fused_bias = (bias if bias is not None and bias.dtype == out_dtype
+                      and out_dtype in (torch.bfloat16, torch.float16) else None)
         out = torch._scaled_mm(
             a_fp8.contiguous(),  # no copy when already row-major
             b_fp8.t().contiguous().t(),  # column-major, as required; no copy when it is

@@ -279,18 +279,18 @@ class FP8StateMixin(nn.Module):
         One device-to-host transfer at most and no device-wide synchronize. A module on
         ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
         """
-        state = self.fp8_state()
-        device = state.fwd.scale.device
+        # model.state_dict() asks every module in turn: the first request stages them all with
+        # one transfer, the others take their payload (see fp8state.staging).
+        payload = staging.take(self)
+        if payload is not None:
+            return payload
+        device = self.fp8_meta("fwd").scale.device
         if device.type != "meta":
-            # model.state_dict() asks every module in turn: the first request stages them all
-            # with one transfer, the others take their payload (see fp8state.staging).
+            staging.stage(device)
             payload = staging.take(self)
-            if payload is None:
-                staging.stage(device)
-                payload = staging.take(self)
             if payload is not None:
                 return payload
-        return meta_io.payload_of(state)
+        return meta_io.payload_of(self.fp8_state())
 
     def set_extra_state(self, state: Any) -> None:
         """Validate ``state`` fully, then copy it onto the module's own device.

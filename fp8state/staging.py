@@ -13,8 +13,9 @@ unchanged since staging. Otherwise the module packs afresh. So a state dict take
 training continues is always current, and one taken earlier never changes (its tensors are CPU
 copies).
 
-Each module's payload tensors share one small CPU storage of their own (views into a per-module
-block), so ``torch.save`` of one module's state writes only that module's bytes.
+Each module's float32 payload tensors share one small CPU storage of their own (views into a
+per-module block), so ``torch.save`` of one module's state writes only that module's bytes
+(plus the model's 40 bytes per module of recipe integers, which share one column per key).
 """
 
 from __future__ import annotations
@@ -109,24 +110,29 @@ def stage(device: torch.device) -> None:
     buffers = [_buffers_of(m) for m in modules]
     flat = _gather(device, modules, buffers)
     if device.type == "cuda":
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(device))
-        done.synchronize()  # this copy only: no device-wide synchronization
+        # On the metadata's own device: pinned memory and events bind to the current device,
+        # which may be another GPU that this process must not touch.
+        with torch.cuda.device(device):
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()  # this copy only: no device-wide synchronization
     else:
         host = flat
     scalars = torch.tensor(
         [[SCHEMA_VERSION, *m._fp8_recipe.to_scalars().values()] for m in modules],
         dtype=torch.int64,
     )
+    # Five unbinds in all (one per scalar key), not five per module: each scalar key's values
+    # for every module are 0-d views of one small int64 column.
+    columns = [column.unbind() for column in scalars.t().contiguous()]
     blocks = host.split([sum(t.numel() for t in bufs) for bufs in buffers])
-    for module, bufs, block, ints in zip(modules, buffers, blocks, scalars, strict=True):
-        own = block.clone()  # this module's own storage
-        parts = own.split([t.numel() for t in bufs])
-        version, *recipe = ints.clone().unbind()
-        payload = {"schema_version": version}  # the key order of schema.pack
+    for i, (module, bufs, block) in enumerate(zip(modules, buffers, blocks, strict=True)):
+        parts = block.clone().split([t.numel() for t in bufs])  # this module's own storage
+        payload = {"schema_version": columns[0][i]}  # the key order of schema.pack
         for name, part, buf in zip(_PAYLOAD_NAMES, parts, bufs, strict=True):
-            payload[name] = part.view(buf.shape)
-        payload.update(zip(_RECIPE_NAMES, recipe, strict=True))
+            payload[name] = part.view(buf.shape) if buf.dim() > 1 else part
+        for name, column in zip(_RECIPE_NAMES, columns[1:], strict=True):
+            payload[name] = column[i]
         _STAGED[id(module)] = _Staged(weakref.ref(module), _stamp(module), payload)

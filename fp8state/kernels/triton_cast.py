@@ -79,8 +79,10 @@ def cast_transpose_amax(
     out = torch.empty((m, n), dtype=fp8_dtype, device=x_2d.device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=x_2d.device) if transpose else out
     block_m, block_n, warps = config or default_config(m, transpose)
-    _cast_kernel[(triton.cdiv(m, block_m),)](
-        x_2d, out, out_t, scale, amax_cell, m, n, float(torch.finfo(fp8_dtype).max),
-        BLOCK_M=block_m, BLOCK_N=block_n, TRANSPOSE=transpose, num_warps=warps,
-    )
+    # Triton launches on the current device; the tensors may live on another GPU.
+    with torch.cuda.device(x_2d.device):
+        _cast_kernel[(triton.cdiv(m, block_m),)](
+            x_2d, out, out_t, scale, amax_cell, m, n, float(torch.finfo(fp8_dtype).max),
+            BLOCK_M=block_m, BLOCK_N=block_n, TRANSPOSE=transpose, num_warps=warps,
+        )
     return out, (out_t if transpose else None)

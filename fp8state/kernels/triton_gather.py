@@ -56,7 +56,9 @@ class GatherTable:
 def gather(table: GatherTable) -> torch.Tensor:
     """One flat float32 tensor holding every table tensor's elements, in table order."""
     out = torch.empty(table.total, dtype=torch.float32, device=table.ptrs.device)
-    _gather_kernel[(table.count, table.chunks)](
-        table.ptrs, table.sizes, table.offsets, out, BLOCK=_BLOCK
-    )
+    # Triton launches on the current device; the tensors may live on another GPU.
+    with torch.cuda.device(table.ptrs.device):
+        _gather_kernel[(table.count, table.chunks)](
+            table.ptrs, table.sizes, table.offsets, out, BLOCK=_BLOCK
+        )
     return out

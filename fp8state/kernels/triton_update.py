@@ -89,11 +89,13 @@ def update_scales_(
     """
     n = history.shape[1]
     block = min(1024, triton.next_power_of_2(max(n, 16)))
-    _update_kernel[(triton.cdiv(n, block),)](
-        history, scale, scale_inv, n, min(window, history.shape[0]), float(fp8_max),
-        min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=block,
-        f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
-    )
+    # Triton launches on the current device; the tensors may live on another GPU.
+    with torch.cuda.device(history.device):
+        _update_kernel[(triton.cdiv(n, block),)](
+            history, scale, scale_inv, n, min(window, history.shape[0]), float(fp8_max),
+            min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=block,
+            f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
+        )
 
 
 class PointerTable:
@@ -124,8 +126,10 @@ class PointerTable:
 def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float,
                            margin: int) -> None:
     """:func:`update_scales_` for every module of ``table``, in one launch."""
-    _batched_kernel[(table.count,)](
-        table.hist, table.scale, table.inv, table.ns, table.windows, float(fp8_max),
-        min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=table.block,
-        f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
-    )
+    # Triton launches on the current device; the tensors may live on another GPU.
+    with torch.cuda.device(table.hist.device):
+        _batched_kernel[(table.count,)](
+            table.hist, table.scale, table.inv, table.ns, table.windows, float(fp8_max),
+            min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=table.block,
+            f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
+        )
