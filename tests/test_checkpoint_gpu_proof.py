@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 _GPU_DIR = Path(__file__).resolve().parent / "gpu"
 sys.path.insert(0, str(_GPU_DIR))
@@ -64,6 +65,7 @@ def test_process_on_gpu_per_source() -> None:
     assert unknown["present"] is None and unknown["used_mib"] is None
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="figures of a machine without CUDA")
 def test_torch_figures_without_cuda() -> None:
     assert device_probe.torch_figures(0) == {"available": False}
 

@@ -56,6 +56,7 @@ def test_round_trip_onto_cpu(tmp_path: Path, kind: str) -> None:
     models.assert_same_state(models.full_state(fresh), models.full_state(model))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the failure it contrasts with needs no CUDA")
 def test_file_saved_on_cuda_0_loads_on_a_machine_without_cuda(tmp_path: Path) -> None:
     model = models.build(seed=1)
     models.fill_fp8(model, salt=1)
