@@ -73,9 +73,6 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
             stacklevel=5,
         )
     rows = max(rows_ck, rows_mod)
-    if rows == rows_ck == rows_mod and _copy_in_one_transfer(module, state):
-        _finish(module, state)
-        return
     for d in DIRECTIONS:
         src = state.direction(d)
         live = module.fp8_meta(d)
@@ -93,30 +90,9 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
                 target[rows_ck:].zero_()
                 target = target[:rows_ck]
             target.copy_(value)
-    _finish(module, state)
-
-
-def _finish(module: FP8StateMixin, state: FP8State) -> None:
     module.fp8_recipe = state.recipe
     module._fp8_new_step = {d: True for d in DIRECTIONS}
     module.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
-
-
-def _copy_in_one_transfer(module: FP8StateMixin, state: FP8State) -> bool:
-    """Copy a CPU state into a GPU module's same-shaped buffers with one host-to-device copy.
-
-    Six separate copies would each wait for the device; one concatenated copy waits once.
-    Returns False (nothing copied) where that does not apply.
-    """
-    targets = [getattr(module.fp8_meta(d), f) for d in DIRECTIONS for f in _FIELDS]
-    values = [getattr(state.direction(d), f) for d in DIRECTIONS for f in _FIELDS]
-    device = targets[0].device
-    if device.type in ("cpu", "meta") or any(v.device.type != "cpu" for v in values):
-        return False
-    flat = torch.cat([v.reshape(-1) for v in values]).to(device)
-    parts = flat.split([v.numel() for v in values])
-    torch._foreach_copy_(targets, [p.view(t.shape) for p, t in zip(parts, targets, strict=True)])
-    return True
 
 
 def _onto(state: Any, device: torch.device) -> Any:
