@@ -25,10 +25,12 @@ __all__ = ["check_fp8_metadata_replicated"]
 
 def _digest(tensor: torch.Tensor) -> str:
     # Exact comparison, not a tolerance: DCP keeps one copy, so any bit that differs is lost.
-    host = tensor.detach().to("cpu").contiguous()
+    # clone(): a storage of exactly this tensor's bytes (a view's storage may hold more), read
+    # through the buffer protocol, so numpy is not needed.
+    host = tensor.detach().to("cpu").contiguous().clone()
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{host.dtype}{tuple(host.shape)}".encode())
-    h.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(bytes(host.untyped_storage()))
     return h.hexdigest()
 
 
