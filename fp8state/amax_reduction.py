@@ -88,7 +88,7 @@ def _update_batched(direction: str, recipe: DelayedScaling,
             module.fp8_recipe = recipe  # may grow buffers: before the table is looked up
     key = (direction, tuple(members), buffer_generation(), recipe.amax_history_len)
     table = _TABLES.get(key)
-    if table is None:
+    if table is None or not table.still_valid():
         metas = [m.fp8_meta(direction) for m in members.values()]
         table = PointerTable([m.amax_history for m in metas], [m.scale for m in metas],
                              [m.scale_inv for m in metas], recipe.amax_history_len)

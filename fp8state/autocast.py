@@ -60,21 +60,28 @@ class _BackwardRegistry:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pending = PendingSteps()
-        self.callback_queued = False
+        # Backward passes (autograd graph tasks) with a flush queued. Per pass, not one flag:
+        # a pass that raises never runs its final callbacks, and a single flag would then stay
+        # set forever, so no later backward would ever update its scales.
+        self.queued_tasks: set[int] = set()
 
     def register(self, module: FP8StateMixin, ctx: FP8Context) -> None:
+        task = torch._C._current_graph_task_id()
         with self.lock:
             self.pending.add(module, ctx.recipe, ctx.group)
-            queue = not self.callback_queued
-            self.callback_queued = True
+            queue = task not in self.queued_tasks
+            self.queued_tasks.add(task)
         if queue:
             # Runs once the whole backward pass is done, whatever the graph's shape.
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.flush(task)
+            )
 
-    def flush(self) -> None:
+    def flush(self, task: int | None = None) -> None:
         with self.lock:
             pending, self.pending = self.pending, PendingSteps()
-            self.callback_queued = False
+            if task is not None:
+                self.queued_tasks.discard(task)
         reduce_and_update("bwd", pending)
 
 

@@ -19,6 +19,8 @@ from fp8state.quantize import finite_amax, quantize
 __all__ = ["cast_and_record", "fused_kernel_available", "kernels_available"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The kernel indexes in 32 bits; larger tensors take the (slower, exact) reference path.
+_KERNEL_MAX_NUMEL = 2**31
 
 
 @functools.cache
@@ -30,7 +32,7 @@ def fused_kernel_available(x: torch.Tensor) -> bool:
     """Whether :func:`cast_and_record` runs the fused Triton kernel for ``x``."""
     return (
         x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
-        and x.numel() > 0 and _triton_installed()
+        and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed()
     )
 
 

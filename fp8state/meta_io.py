@@ -96,15 +96,16 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
 
 
 def _onto(state: Any, device: torch.device) -> Any:
-    """``state`` with tensors on a third device moved to ``device`` (CPU for a meta module).
+    """``state`` with tensors on a third device moved to ``device`` (untouched for meta).
 
     Validation computes on the payload's tensors; a payload loaded onto another GPU
     (``map_location="cuda:0"`` for a module on cuda:1) would otherwise allocate its temporaries
     there. CPU tensors stay: validating them allocates nothing on any GPU.
     """
-    if not isinstance(state, Mapping):
+    if not isinstance(state, Mapping) or device.type == "meta":
+        # A meta module takes the payload's own device (apply_to): validate it there.
         return state
-    target = torch.device("cpu") if device.type == "meta" else device
+    target = device
     foreign = [
         k for k, v in state.items()
         if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")

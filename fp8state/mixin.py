@@ -144,6 +144,17 @@ class FP8StateMixin(nn.Module):
             amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
         )
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling and ``copy.deepcopy`` make a new module without ``__init__``.
+
+        It may reuse a dead module's ``id()``, so pointer tables keyed by module ids must be
+        rebuilt (fp8state.generation), and it joins future stagings like any other module.
+        """
+        super().__setstate__(state)
+        if self._fp8_num_gemms is not None:
+            bump_buffer_generation()
+            staging.register(self)
+
     # ------------------------------------------------------------------ metadata access
     @property
     def fp8_recipe(self) -> DelayedScaling:
@@ -198,6 +209,11 @@ class FP8StateMixin(nn.Module):
         before = {name: self._buffers.get(name) for name in names}
         result = super()._apply(fn, recurse)
         bump_buffer_generation()
+        # Cached FP8 weights stay where they were cast: a move would leave them on the old
+        # device (a device mismatch at the next is_first_microbatch=False forward).
+        cache = self.__dict__.get("fp8_weight_cache")  # absent before init_fp8_meta()
+        if cache:
+            cache.clear()
         for name, old in before.items():
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:

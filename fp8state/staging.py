@@ -93,7 +93,7 @@ def _gather(device: torch.device, modules: list[FP8StateMixin],
 
     key = (tuple(id(m) for m in modules), buffer_generation())
     cached = _TABLES.get(device)
-    if cached is None or cached[0] != key:
+    if cached is None or cached[0] != key or not cached[1].still_valid():
         cached = (key, GatherTable([t for bufs in buffers for t in bufs]))
         _TABLES[device] = cached
     return gather(cached[1])

@@ -51,6 +51,11 @@ class GatherTable:
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
         self._keep = tuple(tensors)
+        self._ptrs = [t.data_ptr() for t in tensors]
+
+    def still_valid(self) -> bool:
+        """Whether every tensor still lives where the table says (``tensor.data = ...``)."""
+        return [t.data_ptr() for t in self._keep] == self._ptrs
 
 
 def gather(table: GatherTable) -> torch.Tensor:

@@ -120,7 +120,16 @@ class PointerTable:
         self.windows = torch.tensor([min(window, h.shape[0]) for h in histories],
                                     dtype=torch.int32, device=device)
         # The tensors themselves, so their memory cannot be freed while the table points at it.
-        self._keep = (tuple(histories), tuple(scales), tuple(scale_invs))
+        self._keep = [*histories, *scales, *scale_invs]
+        self._ptrs = [t.data_ptr() for t in self._keep]
+
+    def still_valid(self) -> bool:
+        """Whether every tensor still lives where the table says.
+
+        ``tensor.data = ...`` (FSDP2 moves buffers so) changes a tensor's memory without
+        replacing the tensor object or bumping fp8state's replacement count.
+        """
+        return [t.data_ptr() for t in self._keep] == self._ptrs
 
 
 def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float,
