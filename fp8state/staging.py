@@ -53,7 +53,9 @@ class _Staged:
     payload: dict[str, torch.Tensor]
 
 
-_STAGED: dict[int, _Staged] = {}
+# Per device: staging one device must not drop another's entries (a model split over GPUs is
+# visited device after device, interleaved).
+_STAGED: dict[torch.device, dict[int, _Staged]] = {}
 
 
 def register(module: FP8StateMixin) -> None:
@@ -73,7 +75,7 @@ def _stamp(module: FP8StateMixin) -> tuple[object, ...]:
 
 def take(module: FP8StateMixin) -> dict[str, torch.Tensor] | None:
     """``module``'s staged payload if it is still exact, else None; handed out once."""
-    entry = _STAGED.pop(id(module), None)
+    entry = _STAGED.get(_buffers_of(module)[1].device, {}).pop(id(module), None)
     if entry is None or entry.module() is not module or entry.stamp != _stamp(module):
         return None
     return entry.payload
@@ -104,7 +106,7 @@ def stage(device: torch.device) -> None:
     """Stage the payload of every live FP8 module whose metadata is on ``device``."""
     modules = [m for m in list(_LIVE) if m._fp8_num_gemms is not None
                and _buffers_of(m)[1].device == device]
-    _STAGED.clear()
+    staged = _STAGED[device] = {}
     if not modules:
         return
     buffers = [_buffers_of(m) for m in modules]
@@ -135,4 +137,4 @@ def stage(device: torch.device) -> None:
             payload[name] = part.view(buf.shape) if buf.dim() > 1 else part
         for name, column in zip(_RECIPE_NAMES, columns[1:], strict=True):
             payload[name] = column[i]
-        _STAGED[id(module)] = _Staged(weakref.ref(module), _stamp(module), payload)
+        staged[id(module)] = _Staged(weakref.ref(module), _stamp(module), payload)

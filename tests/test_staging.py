@@ -102,3 +102,14 @@ def test_payload_is_handed_out_once() -> None:
     assert a["fwd.scale"].untyped_storage().data_ptr() != b["fwd.scale"].untyped_storage(
     ).data_ptr()
     _assert_payload_equal(a, b)
+
+
+def test_staging_one_device_keeps_the_entries_of_another(monkeypatch) -> None:
+    model = _model(3)
+    staging.stage(torch.device("cpu"))
+    staging.stage(torch.device("cuda", 0))  # no module there: stages nothing, drops nothing
+    calls = []
+    real = staging.stage
+    monkeypatch.setattr(staging, "stage", lambda device: (calls.append(device), real(device)))
+    model.state_dict()
+    assert calls == []  # every module took its payload staged before
