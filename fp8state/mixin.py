@@ -295,6 +295,7 @@ class FP8StateMixin(nn.Module):
         One device-to-host transfer at most and no device-wide synchronize. A module on
         ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
         """
+        self._require_meta()  # a clear error for a subclass that never called init_fp8_meta
         # model.state_dict() asks every module in turn: the first request stages them all with
         # one transfer, the others take their payload (see fp8state.staging).
         payload = staging.take(self)
