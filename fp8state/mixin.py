@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -49,6 +49,10 @@ class ScalingBuffers(NamedTuple):
 
 def _buffer_name(direction: str, field: str) -> str:
     return f"fp8_{direction}_{field}"
+
+
+_BUFFER_NAMES = {d: tuple(_buffer_name(d, f) for f in ScalingBuffers._fields)
+                 for d in ("fwd", "bwd")}
 
 
 class FP8StateMixin(nn.Module):
@@ -181,9 +185,10 @@ class FP8StateMixin(nn.Module):
     def fp8_meta(self, direction: str) -> ScalingBuffers:
         """The live buffers of ``direction`` (``"fwd"`` or ``"bwd"``)."""
         self._require_meta()
-        return ScalingBuffers(
-            *(getattr(self, _buffer_name(direction, f)) for f in ScalingBuffers._fields)
-        )
+        # _buffers directly: nn.Module.__getattr__ is slow, and this runs several times a step.
+        buffers = self._buffers
+        hist, scale, scale_inv = (cast(torch.Tensor, buffers[n]) for n in _BUFFER_NAMES[direction])
+        return ScalingBuffers(hist, scale, scale_inv)
 
     def fp8_state(self) -> FP8State:
         """The module's metadata and recipe as an :class:`~fp8state.schema.FP8State` (live)."""
