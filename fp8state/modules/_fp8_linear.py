@@ -71,6 +71,24 @@ def linear(
     return out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
 
 
+def _cast_slot(
+    module: FP8StateMixin,
+    direction: str,
+    slot: int,
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale."""
+    meta = module.fp8_meta(direction)
+    x_fp8, x_fp8_t = cast_and_record(
+        x.contiguous(), meta.scale[slot : slot + 1], module.fp8_amax_cell(direction, slot),
+        fp8_dtype, transpose=transpose,
+    )
+    # A copy: the live scale_inv changes when the step ends, before backward runs.
+    return x_fp8, x_fp8_t, meta.scale_inv[slot : slot + 1].clone()
+
+
 def _cast_weight(
     module: FP8StateMixin,
     weight: torch.Tensor,
@@ -84,14 +102,9 @@ def _cast_weight(
     if is_first_microbatch is False and cached is not None:
         if not transpose or cached[1] is not None:
             return cached[0], cached[1], cached[2]
-    meta = module.fp8_meta("fwd")
-    slot = fwd_slot(gemm, FwdSlot.WEIGHT)
-    weight_fp8, weight_fp8_t = cast_and_record(
-        weight.detach().contiguous(), meta.scale[slot : slot + 1],
-        module.fp8_amax_cell("fwd", slot), fp8_dtype, transpose=transpose,
+    weight_fp8, weight_fp8_t, scale_inv = _cast_slot(
+        module, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT), weight.detach(), fp8_dtype, transpose
     )
-    # A copy: the live scale_inv changes when the step ends, before backward runs.
-    scale_inv = meta.scale_inv[slot : slot + 1].clone()
     if is_first_microbatch is not None:
         module.fp8_weight_cache[gemm] = (weight_fp8, weight_fp8_t, scale_inv)
     return weight_fp8, weight_fp8_t, scale_inv
@@ -112,13 +125,9 @@ class _FP8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        meta = module.fp8_meta("fwd")
-        slot_in = fwd_slot(gemm, FwdSlot.INPUT)
-        inp_fp8, inp_fp8_t = cast_and_record(
-            inp_2d.contiguous(), meta.scale[slot_in : slot_in + 1],
-            module.fp8_amax_cell("fwd", slot_in), fp8_dtype, transpose=need_wgrad,
+        inp_fp8, inp_fp8_t, inp_scale_inv = _cast_slot(
+            module, "fwd", fwd_slot(gemm, FwdSlot.INPUT), inp_2d, fp8_dtype, need_wgrad
         )
-        inp_scale_inv = meta.scale_inv[slot_in : slot_in + 1].clone()
         weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
             module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch
         )
@@ -140,14 +149,11 @@ class _FP8Linear(torch.autograd.Function):
         module: FP8StateMixin = ctx.module
         fp8_ctx: autocast.FP8Context = ctx.fp8_ctx
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
-        slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT)
         autocast.register_backward(module, fp8_ctx)
-        meta = module.fp8_meta("bwd")
-        grad_fp8, grad_fp8_t = cast_and_record(
-            grad_out.contiguous(), meta.scale[slot : slot + 1], module.fp8_amax_cell("bwd", slot),
-            fp8_ctx.recipe.fp8_format.dtype("bwd"), transpose=need_wgrad,
+        grad_fp8, grad_fp8_t, grad_scale_inv = _cast_slot(
+            module, "bwd", bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT), grad_out,
+            fp8_ctx.recipe.fp8_format.dtype("bwd"), need_wgrad,
         )
-        grad_scale_inv = meta.scale_inv[slot : slot + 1].clone()
         grad_inp = grad_weight = grad_bias = None
         if need_dgrad:  # (M, N) @ (N, K); weight_fp8_t.t() is (N, K) column-major
             grad_inp, _ = fp8_gemm(
