@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8state.kernels._addresses import AddressTable
+
 __all__ = ["GatherTable", "gather"]
 
 _BLOCK = 1024
@@ -31,13 +33,14 @@ def _gather_kernel(ptrs, sizes, offsets, out_ptr, BLOCK: tl.constexpr):
         tl.store(out_ptr + offset + idx, tl.load(src + idx, mask=mask), mask=mask)
 
 
-class GatherTable:
+class GatherTable(AddressTable):
     """Addresses, sizes and offsets of contiguous float32 tensors to gather, on their device.
 
     Valid while those exact tensors are alive and unchanged in shape; it keeps them alive.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        super().__init__(tensors)
         device = tensors[0].device
         sizes = [t.numel() for t in tensors]
         offsets = [0]
@@ -46,16 +49,9 @@ class GatherTable:
         self.total = offsets[-1] + sizes[-1]
         self.count = len(tensors)
         self.chunks = triton.cdiv(max(sizes), _BLOCK)
-        self.ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
-                                 device=device)
+        self.ptrs = self.addresses(tensors, device)
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
-        self._keep = tuple(tensors)
-        self._ptrs = [t.data_ptr() for t in tensors]
-
-    def still_valid(self) -> bool:
-        """Whether every tensor still lives where the table says (``tensor.data = ...``)."""
-        return [t.data_ptr() for t in self._keep] == self._ptrs
 
 
 def gather(table: GatherTable) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8state.kernels._addresses import AddressTable
 from fp8state.scaling import FLOAT32_MAX, FLOAT32_TINY
 
 __all__ = ["update_scales_", "batched_update_scales_", "PointerTable"]
@@ -98,38 +99,26 @@ def update_scales_(
         )
 
 
-class PointerTable:
+class PointerTable(AddressTable):
     """Device-side addresses of many modules' buffers, built once and reused every step.
 
     Valid only while those exact tensors are the modules' buffers; the caller rebuilds it
-    when any buffer is replaced (``FP8StateMixin`` counts such replacements).
+    when any buffer is replaced (``FP8StateMixin`` counts such replacements) or moved
+    (:meth:`still_valid`).
     """
 
     def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
                  scale_invs: Sequence[torch.Tensor], window: int) -> None:
+        super().__init__([*histories, *scales, *scale_invs])
         device = histories[0].device
         self.count = len(histories)
         self.block = triton.next_power_of_2(max(16, max(h.shape[1] for h in histories)))
-
-        def table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64,
-                                device=device)
-
-        self.hist, self.scale, self.inv = table(histories), table(scales), table(scale_invs)
+        self.hist = self.addresses(histories, device)
+        self.scale = self.addresses(scales, device)
+        self.inv = self.addresses(scale_invs, device)
         self.ns = torch.tensor([h.shape[1] for h in histories], dtype=torch.int32, device=device)
         self.windows = torch.tensor([min(window, h.shape[0]) for h in histories],
                                     dtype=torch.int32, device=device)
-        # The tensors themselves, so their memory cannot be freed while the table points at it.
-        self._keep = [*histories, *scales, *scale_invs]
-        self._ptrs = [t.data_ptr() for t in self._keep]
-
-    def still_valid(self) -> bool:
-        """Whether every tensor still lives where the table says.
-
-        ``tensor.data = ...`` (FSDP2 moves buffers so) changes a tensor's memory without
-        replacing the tensor object or bumping fp8state's replacement count.
-        """
-        return [t.data_ptr() for t in self._keep] == self._ptrs
 
 
 def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float,
