@@ -72,12 +72,16 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
 
     Per-call synchronization would add the launch latency to a 50 us kernel; the bound it is
     compared with is a device-side figure too. Falls back to :func:`time_ms` on CPU.
+    ``iters`` launches must take the host less than the GPU's sleep (about 50 ms).
     """
     if device.type != "cuda":
         return time_ms(fn, device, warmup, iters)
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # The GPU sleeps while the host queues every launch, so the events time the kernels
+    # back to back even when one launch costs the host more than one kernel takes.
+    torch.cuda._sleep(100_000_000)
     start.record()
     for _ in range(iters):
         fn()

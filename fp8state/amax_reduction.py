@@ -98,5 +98,6 @@ def _update_batched(direction: str, recipe: DelayedScaling,
     batched_update_scales_(table, algo=recipe.amax_compute_algo,
                            fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin)
     for module in members.values():
-        module._fp8_new_step[direction] = True
-        module._fp8_mutations += 1
+        state = module.__dict__  # not nn.Module.__setattr__: 1000 modules pay it every step
+        state["_fp8_new_step"][direction] = True
+        state["_fp8_mutations"] += 1

@@ -116,11 +116,17 @@ def fp8_gemm(
         # refuses one with float32 output); otherwise it is added afterwards.
         fused_bias = (bias if bias is not None and bias.dtype == out_dtype
                       and out_dtype in (torch.bfloat16, torch.float16) else None)
+        # Row-major a and column-major b, as the kernel requires. The checks first: even
+        # no-op .contiguous()/.t() calls cost host time in a loop that launches per GEMM.
+        if not a_fp8.is_contiguous():
+            a_fp8 = a_fp8.contiguous()
+        if b_fp8.stride(0) != 1 or b_fp8.stride(1) != b_fp8.shape[0]:
+            b_fp8 = b_fp8.t().contiguous().t()
         out = torch._scaled_mm(
-            a_fp8.contiguous(),  # no copy when already row-major
-            b_fp8.t().contiguous().t(),  # column-major, as required; no copy when it is
-            scale_a=a_scale_inv.reshape(()),
-            scale_b=b_scale_inv.reshape(()),
+            a_fp8,
+            b_fp8,
+            scale_a=a_scale_inv,  # 1-element float32: tensor-wise scaling
+            scale_b=b_scale_inv,
             bias=fused_bias,
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,

@@ -15,8 +15,9 @@ import importlib.util
 import torch
 
 from fp8state.quantize import finite_amax, quantize
+from fp8state.scaling import shift_history
 
-__all__ = ["cast_and_record", "fused_kernel_available", "kernels_available"]
+__all__ = ["cast_and_record", "cast_slot", "fused_kernel_available", "kernels_available"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The kernel indexes in 32 bits; larger tensors take the (slower, exact) reference path.
@@ -70,3 +71,48 @@ def cast_and_record(
     amax_cell.copy_(torch.maximum(amax_cell, finite_amax(x_2d)))
     x_fp8 = quantize(x_2d, scale, fp8_dtype)
     return x_fp8, (x_fp8.t().contiguous() if transpose else None)
+
+
+def cast_slot(
+    x_2d: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    history: torch.Tensor,
+    slot: int,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool,
+    new_step: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`cast_and_record` for one slot of a direction's live buffers, step-aware.
+
+    The modules' hot path: on CUDA one kernel launch shifts the history when ``new_step``
+    (:func:`fp8state.scaling.shift_history`), casts with ``scale[slot]``, records the amax into
+    row 0 and snapshots ``scale_inv[slot]``, with no slicing, shifting or copying launched
+    from Python.
+
+    Args:
+        x_2d: 2-D high-precision operand.
+        scale: The direction's ``(n,)`` float32 scales.
+        scale_inv: The direction's ``(n,)`` float32 inverse scales.
+        history: The direction's ``(rows, n)`` float32 amax history.
+        slot: The operand's slot.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        transpose: Also return the contiguous transpose.
+        new_step: First record of the direction since its last scale update.
+
+    Returns:
+        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot)``: the snapshot is a 1-element copy
+        of ``scale_inv[slot]`` taken before the step's scale update can change it.
+    """
+    if fused_kernel_available(x_2d) and history.is_contiguous() and scale.is_contiguous() \
+            and scale_inv.is_contiguous():
+        from fp8state.kernels import triton_cast
+
+        return triton_cast.cast_slot(x_2d, scale, scale_inv, history, slot, fp8_dtype,
+                                     transpose=transpose, new_step=new_step)
+    if new_step:
+        history.copy_(shift_history(history))
+    x_fp8, x_fp8_t = cast_and_record(x_2d, scale[slot : slot + 1], history[0, slot : slot + 1],
+                                     fp8_dtype, transpose=transpose)
+    return x_fp8, x_fp8_t, scale_inv[slot : slot + 1].clone()

@@ -250,6 +250,20 @@ class FP8StateMixin(nn.Module):
             self._fp8_new_step[direction] = False
         return hist[0, slot : slot + 1]
 
+    def fp8_open_record(self, direction: str) -> bool:
+        """Note a record into ``direction``'s row 0; True if it must open a new step first.
+
+        For kernels that shift the history and record in one launch
+        (:func:`fp8state.cast.cast_slot`); :meth:`fp8_amax_cell` does the shift itself.
+        """
+        state = self.__dict__  # not nn.Module.__setattr__: this runs per cast, per step
+        state["_fp8_mutations"] += 1  # a kernel writes the history without bumping _version
+        new_step = state["_fp8_new_step"]
+        if new_step[direction]:
+            new_step[direction] = False
+            return True
+        return False
+
     @torch.no_grad()
     def fp8_update_scales(self, direction: str, recipe: DelayedScaling | None = None) -> None:
         """Recompute ``direction``'s scales from its history (the end of a step).
@@ -258,8 +272,9 @@ class FP8StateMixin(nn.Module):
             direction: ``"fwd"`` or ``"bwd"``.
             recipe: The recipe the step ran under; it becomes the module's ``fp8_recipe``.
         """
-        recipe = recipe or self.fp8_recipe
-        self.fp8_recipe = recipe  # grows the buffers first if the window needs more rows
+        recipe = recipe or self._fp8_recipe
+        if recipe is not self._fp8_recipe:
+            self.fp8_recipe = recipe  # grows the buffers first if the window needs more rows
         meta = self.fp8_meta(direction)
         window, algo = recipe.amax_history_len, recipe.amax_compute_algo
         fp8_max, margin = recipe.fp8_format.max(direction), recipe.margin
@@ -274,7 +289,7 @@ class FP8StateMixin(nn.Module):
             meta.scale.copy_(scale)
             meta.scale_inv.copy_(scale_inv)
         self._fp8_new_step[direction] = True
-        self._fp8_mutations += 1
+        self.__dict__["_fp8_mutations"] += 1  # not nn.Module.__setattr__: once per step
 
     def _fp8_ensure_rows(self, rows: int) -> None:
         """Grow the history buffers to ``rows`` rows (zeros appended), warning once."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fp8state import autocast
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
-from fp8state.cast import cast_and_record
+from fp8state.cast import cast_slot
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
@@ -63,7 +63,10 @@ def linear(
         module.fp8_last_gemm_backend = "high_precision"
         return F.linear(inp, weight, bias)
     autocast.register_forward(module, ctx)
-    # A view, not a copy (einops.pack would concatenate, i.e. copy the whole input).
+    if inp.dim() == 2:  # no view ops at all in the common case: each costs host time
+        return _FP8Linear.apply(inp, weight, bias, module, gemm, ctx, backend,
+                                is_first_microbatch)
+    # A view where the layout allows (einops.pack would concatenate, i.e. copy the input).
     inp_2d = einops.rearrange(inp, "... k -> (...) k")
     out_2d = _FP8Linear.apply(
         inp_2d, weight, bias, module, gemm, ctx, backend, is_first_microbatch
@@ -80,13 +83,12 @@ def _cast_slot(
     transpose: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale."""
-    meta = module.fp8_meta(direction)
-    x_fp8, x_fp8_t = cast_and_record(
-        x.contiguous(), meta.scale[slot : slot + 1], module.fp8_amax_cell(direction, slot),
-        fp8_dtype, transpose=transpose,
-    )
-    # A copy: the live scale_inv changes when the step ends, before backward runs.
-    return x_fp8, x_fp8_t, meta.scale_inv[slot : slot + 1].clone()
+    hist, scale, scale_inv = module.fp8_meta(direction)
+    new_step = module.fp8_open_record(direction)
+    # The inverse scale comes back as a copy: the live one changes when the step ends,
+    # before backward runs.
+    return cast_slot(x.contiguous(), scale, scale_inv, hist, slot, fp8_dtype,
+                     transpose=transpose, new_step=new_step)
 
 
 def _cast_weight(
