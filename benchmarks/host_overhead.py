@@ -57,6 +57,31 @@ def host_us(step, iters: int = 200) -> float:
     return host / iters * 1e6
 
 
+def launch_profile(iters: int = 5000) -> None:
+    """cProfile of the library's launch wrappers alone (scale update, slot cast)."""
+    from fp8state.cast import cast_slot
+    from fp8state.kernels.triton_update import update_scales_
+
+    hist = torch.zeros(1024, 3, device="cuda")
+    sc, inv = torch.ones(3, device="cuda"), torch.ones(3, device="cuda")
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def both() -> None:
+        update_scales_(hist, sc, inv, window=1024, algo="max", fp8_max=448.0, margin=0)
+        cast_slot(x, sc, inv, hist, 1, torch.float8_e4m3fn, transpose=True, new_step=False)
+
+    for _ in range(50):
+        both()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        both()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def per_call_us(fn, iters: int = 2000) -> float:
     for _ in range(50):
         fn()
@@ -223,6 +248,7 @@ def main() -> None:
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     pieces()
+    launch_profile()
     breakdown(small)
 
     tokens, k, n = map(int, args.shape.split("x"))

@@ -1,6 +1,7 @@
 """Where an FP8 Linear step spends its time, and how fast the fused cast kernel runs.
 
-Usage (CUDA + Triton): ``python benchmarks/profile_linear.py [--shape 16384x4096x4096]``.
+Usage (CUDA + Triton): ``python benchmarks/profile_linear.py [--shape 16384x4096x4096]
+[--mlp]`` (``--mlp``: a LayerNormMLP of tokens x hidden x ffn instead of a Linear).
 Prints the top CUDA kernels of three fwd+bwd steps (torch.profiler) and, for the cast kernel
 on an input-sized bf16 tensor, GB/s per block configuration with and without the transpose.
 """
@@ -13,16 +14,22 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8state
-from fp8state.kernels.triton_cast import cast_transpose_amax, default_config
+from fp8state.kernels import triton_cast
+from fp8state.kernels.triton_cast import default_config
 
-CONFIGS = [(8, 128, 4), (16, 128, 4), (16, 128, 8), (32, 128, 8), (32, 64, 4), (64, 64, 8),
-           (8, 256, 8)]
+# (BLOCK_M, BLOCK_N, num_warps, column_split) candidates for each layout.
+CONFIGS = {
+    False: [(8, 256, 8, 1), (16, 256, 8, 1), (8, 512, 8, 1), (8, 256, 4, 1), (8, 256, 8, 2)],
+    True: [(bm, bn, w, sp) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
+           for sp in (1, 4, 8) if bm * bn <= 8192],
+}
 
 
 def _time_ms(fn, iters: int = 50) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
         fn()
+    torch.cuda._sleep(100_000_000)  # the host queues every launch before the events run
     start.record()
     for _ in range(iters):
         fn()
@@ -34,9 +41,27 @@ def _time_ms(fn, iters: int = 50) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16384x4096x4096")
+    parser.add_argument("--mlp", action="store_true",
+                        help="profile LayerNormMLP(in, out) instead (tokens x hidden x ffn)")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the step profile")
+    parser.add_argument("--cast-shape", default=None, help="MxN of the swept cast (default: "
+                        "the input's shape)")
+    parser.add_argument("--op", default="identity", choices=("identity", "gelu", "dgelu"),
+                        help="what the swept cast computes before quantizing")
     args = parser.parse_args()
     tokens, k, n = map(int, args.shape.split("x"))
-    layer = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+    if not args.sweep_only:
+        profile_step(args, tokens, k, n)
+    sweep(args, *(map(int, args.cast_shape.split("x")) if args.cast_shape else (tokens, k)))
+
+
+def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
+    """Top CUDA kernels of three fwd+bwd steps and the time per step."""
+    if args.mlp:
+        layer = fp8state.LayerNormMLP(k, n, params_dtype=torch.bfloat16, device="cuda")
+        n = k
+    else:
+        layer = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
 
@@ -56,16 +81,27 @@ def main() -> None:
                                       max_name_column_width=60)
     print(table)
     print(f"step {_time_ms(step, 20):.3f} ms; default cast configs "
-          f"{default_config(tokens, False)} / {default_config(tokens, True)} (transpose)")
+          f"{default_config(tokens, k, False)} / {default_config(tokens, k, True)} (transpose)")
 
+
+
+def sweep(args: argparse.Namespace, m: int, n: int) -> None:
+    """GB/s of the cast kernel per block configuration, with and without the transpose."""
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    aux = torch.randn_like(x) if args.op == "dgelu" else None
     scale = torch.tensor([1.0], device="cuda")
     cell = torch.zeros(1, device="cuda")
     for transpose in (False, True):
-        moved = x.numel() * (2 + (2 if transpose else 1))
-        for cfg in CONFIGS:
-            ms = _time_ms(lambda cfg=cfg, transpose=transpose: cast_transpose_amax(
-                x.detach(), scale, torch.float8_e4m3fn, cell, transpose, cfg))
-            print(f"cast transpose={transpose} config={cfg}: {ms * 1e3:.1f} us, "
+        moved = x.numel() * (2 + (2 if aux is not None else 0) + (2 if transpose else 1))
+        results = []
+        for cfg in CONFIGS[transpose]:
+            ms = _time_ms(lambda cfg=cfg, transpose=transpose: triton_cast._launch(
+                x, scale, scale, cell, 0, 1, torch.float8_e4m3fn, transpose, snapshot=False,
+                new_step=False, column_sums=False, op=args.op, aux=aux, config=cfg))
+            results.append((ms, cfg))
+        for ms, cfg in sorted(results)[:8]:
+            print(f"cast {args.op} {m}x{n} transpose={transpose} config={cfg}: "
+                  f"{ms * 1e3:.1f} us, "
                   f"{moved / ms / 1e6:.0f} GB/s")
 
 

@@ -82,13 +82,17 @@ def _update_batched(direction: str, recipe: DelayedScaling,
     """One kernel launch for every module of ``members`` (CUDA, Triton)."""
     from fp8state.kernels.triton_update import PointerTable, batched_update_scales_
 
-    for module in members.values():
-        current = module._fp8_recipe
-        if current is not recipe and current != recipe:
-            module.fp8_recipe = recipe  # may grow buffers: before the table is looked up
-    key = (direction, tuple(members), buffer_generation(), recipe.amax_history_len)
-    table = _TABLES.get(key)
+    # A table is cached under the recipe and the replacement count: a hit means every module
+    # already has this recipe (changing a module's recipe bumps the count), so the per-module
+    # recipe check only runs when the table is built.
+    ids = tuple(members)
+    table = _TABLES.get((direction, ids, buffer_generation(), recipe))
     if table is None or not table.still_valid():
+        for module in members.values():
+            current = module._fp8_recipe
+            if current is not recipe and current != recipe:
+                module.fp8_recipe = recipe  # may grow buffers: before the table is built
+        key = (direction, ids, buffer_generation(), recipe)
         metas = [m.fp8_meta(direction) for m in members.values()]
         table = PointerTable([m.amax_history for m in metas], [m.scale for m in metas],
                              [m.scale_inv for m in metas], recipe.amax_history_len)

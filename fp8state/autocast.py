@@ -52,6 +52,9 @@ class _ThreadState(threading.local):
 
 
 _THREAD = _ThreadState()
+# Recipes are frozen: one default instance serves every context (building one per step costs
+# host time in a loop that may be launch-bound).
+_DEFAULT_RECIPE = DelayedScaling()
 
 
 class _BackwardRegistry:
@@ -164,7 +167,7 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
             )
         self._ctx = FP8Context(
             enabled=bool(enabled), calibrating=bool(calibrating),
-            recipe=fp8_recipe or DelayedScaling(), group=fp8_group, gemm_backend=gemm_backend,
+            recipe=fp8_recipe or _DEFAULT_RECIPE, group=fp8_group, gemm_backend=gemm_backend,
         )
         self._entered = False
 

@@ -13,11 +13,15 @@ import functools
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 
+from fp8state.errors import ConfigError
 from fp8state.quantize import finite_amax, quantize
 from fp8state.scaling import shift_history
 
-__all__ = ["cast_and_record", "cast_slot", "fused_kernel_available", "kernels_available"]
+__all__ = [
+    "apply_op", "cast_and_record", "cast_slot", "fused_kernel_available", "kernels_available",
+]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The kernel indexes in 32 bits; larger tensors take the (slower, exact) reference path.
@@ -83,13 +87,16 @@ def cast_slot(
     *,
     transpose: bool,
     new_step: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    column_sums: bool = False,
+    op: str = "identity",
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """:func:`cast_and_record` for one slot of a direction's live buffers, step-aware.
 
     The modules' hot path: on CUDA one kernel launch shifts the history when ``new_step``
     (:func:`fp8state.scaling.shift_history`), casts with ``scale[slot]``, records the amax into
-    row 0 and snapshots ``scale_inv[slot]``, with no slicing, shifting or copying launched
-    from Python.
+    row 0, snapshots ``scale_inv[slot]`` and, if asked, sums the columns, with no slicing,
+    shifting or copying launched from Python.
 
     Args:
         x_2d: 2-D high-precision operand.
@@ -100,19 +107,44 @@ def cast_slot(
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         transpose: Also return the contiguous transpose.
         new_step: First record of the direction since its last scale update.
+        column_sums: Also return the column sums of what is cast (a bias gradient):
+            float32 from the kernel, the input's dtype on the reference path with
+            ``op="identity"`` (as ``Tensor.sum``), float32 otherwise.
+        op: What is cast, in float32, without rounding to the input's dtype in between:
+            ``"identity"``, ``"gelu"`` (tanh approximation) of ``x_2d``, or ``"dgelu"``:
+            ``x_2d`` (a gradient) times GELU's derivative at ``aux``.
+        aux: The activation's input for ``"dgelu"``, shaped like ``x_2d``.
 
     Returns:
-        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot)``: the snapshot is a 1-element copy
-        of ``scale_inv[slot]`` taken before the step's scale update can change it.
+        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``: the snapshot
+        is a 1-element copy of ``scale_inv[slot]`` taken before the step's scale update can
+        change it.
     """
     if fused_kernel_available(x_2d) and history.is_contiguous() and scale.is_contiguous() \
             and scale_inv.is_contiguous():
         from fp8state.kernels import triton_cast
 
         return triton_cast.cast_slot(x_2d, scale, scale_inv, history, slot, fp8_dtype,
-                                     transpose=transpose, new_step=new_step)
+                                     transpose=transpose, new_step=new_step,
+                                     column_sums=column_sums, op=op,
+                                     aux=None if aux is None else aux.contiguous())
+    x_2d = apply_op(x_2d, op, aux)
     if new_step:
         history.copy_(shift_history(history))
     x_fp8, x_fp8_t = cast_and_record(x_2d, scale[slot : slot + 1], history[0, slot : slot + 1],
                                      fp8_dtype, transpose=transpose)
-    return x_fp8, x_fp8_t, scale_inv[slot : slot + 1].clone()
+    sums = x_2d.sum(dim=0) if column_sums else None
+    return x_fp8, x_fp8_t, scale_inv[slot : slot + 1].clone(), sums
+
+
+def apply_op(x: torch.Tensor, op: str, aux: torch.Tensor | None = None) -> torch.Tensor:
+    """The value :func:`cast_slot` casts for ``op`` (reference definition, float32 math)."""
+    if op == "identity":
+        return x
+    if op == "gelu":
+        return F.gelu(x.float(), approximate="tanh")
+    if op == "dgelu" and aux is not None:
+        return torch.ops.aten.gelu_backward(x.float(), aux.float(), approximate="tanh")
+    raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
+                      "'identity', 'gelu', or 'dgelu' with aux",
+                      "Pass one of the supported ops (this is a bug in the caller).")

@@ -175,6 +175,9 @@ class FP8StateMixin(nn.Module):
         # A window longer than the buffer would make get_extra_state() write a payload that
         # set_extra_state() refuses (window > rows): grow now, with the one warning.
         self._fp8_ensure_rows(recipe.amax_history_len)
+        if recipe != self.__dict__.get("_fp8_recipe"):
+            # Cached update tables assume the recipes their modules had when built.
+            bump_buffer_generation()
         self._fp8_recipe = recipe
 
     @property

@@ -85,6 +85,22 @@ def test_hooks_force_triton_path(fake_cuda, monkeypatch) -> None:
     assert [e[0] for e in jit.log] == ["jit", "jit"]
 
 
+def test_empty_hook_chains_count_as_no_hooks(fake_cuda, monkeypatch) -> None:
+    """Triton 3.5+ holds hooks in chain objects that are never None; empty means no hook."""
+    chain = SimpleNamespace(calls=[])
+    monkeypatch.setattr(_launch, "_RUNTIME", [SimpleNamespace(launch_enter_hook=chain,
+                                                              launch_exit_hook=chain)])
+    jit = _Jit(_Compiled)
+    launcher = FastLauncher(jit)
+    dev = torch.device("cuda", 0)
+    launcher("k", (1,), (), dev)
+    launcher("k", (1,), (), dev)
+    assert [e[0] for e in jit.log] == ["jit", "direct"]
+    chain.calls.append(print)  # a profiler installs a hook: Triton's path again
+    launcher("k", (1,), (), dev)
+    assert [e[0] for e in jit.log] == ["jit", "direct", "jit"]
+
+
 def test_unknown_compiled_interface_disables_direct_path(fake_cuda) -> None:
     jit = _Jit(lambda log: object())  # no run/function/packed_metadata
     launcher = FastLauncher(jit)

@@ -36,10 +36,15 @@ def ptr_aligned(tensor: torch.Tensor) -> bool:
     return tensor.data_ptr() % 16 == 0
 
 
+def _hook_active(hook: Any) -> bool:
+    # Triton 3.5+ keeps hooks in a chain object that is never None; empty means none.
+    return hook is not None and getattr(hook, "calls", True) != []
+
+
 def _hooks_set() -> bool:
     """Whether launch hooks are installed (profilers do so): they need Triton's own path."""
     runtime = _RUNTIME[0]
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def raw_stream(index: int) -> int:

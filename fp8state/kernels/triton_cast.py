@@ -8,13 +8,16 @@ amax or transpose pass runs. Each program walks ``BLOCK_M`` whole rows and does 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from fp8state.kernels._launch import FastLauncher, int_spec, ptr_aligned, raw_stream
 
-__all__ = ["cast_transpose_amax", "cast_slot", "default_config"]
+__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "OPS"]
 
 
 @triton.jit
@@ -38,31 +41,74 @@ def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr,
     tl.store(hist_ptr + cols, tl.where(cols == slot, amax, 0.0), mask=in_row)
 
 
+# What the kernel casts: the input itself, GELU (tanh approximation) of it, or the input (an
+# incoming gradient) times GELU's derivative at ``aux`` (the activation's input).
+OPS = {"identity": 0, "gelu": 1, "dgelu": 2}
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _tanh(u, FAST_TANH: tl.constexpr):
+    if FAST_TANH:
+        # The hardware's tanh (relative error about 2**-11): GELU's cast became compute-bound
+        # with exp and a division (1.9 TB/s transposed, benchmarks/profile_linear.py). The
+        # error is far below an FP8 step, and below the bf16 rounding of GELU's output that
+        # the per-GEMM path quantizes from.
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        # 1 - 2 / (exp(2u) + 1): exactly +-1 in the limits, never inf / inf.
+        return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+@triton.jit
+def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_TANH: tl.constexpr):
+    if OP == 1:
+        t = _tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x), FAST_TANH)
+        x = 0.5 * x * (1.0 + t)
+    elif OP == 2:
+        h = tl.load(aux_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        t = _tanh(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h), FAST_TANH)
+        slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * _KAPPA * h * h)
+        x = x * slope
+    return x
+
+
 @triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
 def _cast_kernel(
-    x_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr, hist_ptr, scratch_ptr,
-    slot, n_slots, hist_rows, M, N, fp8_max,
+    x_ptr, aux_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr, hist_ptr, scratch_ptr,
+    colsum_ptr, slot, n_slots, hist_rows, M, N, cols_per_program, fp8_max,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr, SLOTS: tl.constexpr,
+    CHUNK: tl.constexpr, OP: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Program (pid_m, pid_n): BLOCK_M rows, a range of whole BLOCK_N column tiles.
+    # cols_per_program is a multiple of BLOCK_N and specialized (Triton then knows each tile
+    # starts aligned and vectorizes the loads; unspecialized, the cast ran at 2/3 the speed).
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(scale_ptr + slot)
     if SNAPSHOT:  # the inverse scale as of this cast, for backward (the live one moves on)
-        tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=pid == 0)
+        tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=(pid_m == 0) & (pid_n == 0))
     running = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
+    first = pid_n * cols_per_program
+    for start in range(first, tl.minimum(first + cols_per_program, N), BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_TANH)
+        if COLSUM:  # per-row-block column sums: a bias gradient without another pass
+            tl.store(colsum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
         ax = tl.abs(x)
         running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
         scaled = x * scale
         # Saturate like torch.clamp, keeping NaN (hardware min/max would turn it into a bound).
         y = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max))
         y = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+        tl.store(out_ptr + offsets, y, mask=mask)
         if TRANSPOSE:
             tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y),
                      mask=tl.trans(mask))
@@ -74,7 +120,7 @@ def _cast_kernel(
         # one shifts and writes, then resets scratch for the next launch on this stream.
         tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
         done = tl.atomic_add(scratch_ptr + 1, 1)
-        if done == tl.num_programs(0) - 1:
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
             total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
             tl.atomic_xchg(scratch_ptr + 1, 0)
             _open_step(hist_ptr, slot, n_slots, hist_rows, total, SLOTS, CHUNK)
@@ -82,17 +128,26 @@ def _cast_kernel(
         tl.atomic_max(hist_ptr + slot, amax)
 
 
-def default_config(rows: int, transpose: bool) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` measured fastest on an H200 for 16384x4096 bf16.
+def default_config(rows: int, cols: int, transpose: bool,
+                   op: str = "identity") -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, column_split)`` for an ``(rows, cols)`` tensor.
 
-    benchmarks/profile_linear.py: without transpose, (8, 256, 8) moved 3.7 TB/s (the copy
-    bandwidth); with it, (32, 128, 8) moved 2.4 TB/s, wider row blocks making the transposed
-    stores longer. Smaller tensors get smaller row blocks so every SM has programs.
+    Measured on an H200 with benchmarks/profile_linear.py (16384x4096 and 16384x16384 bf16).
+    Without the transpose, (8, 256, 8, 1) whole-row programs move 3.7-4.0 TB/s, the copy
+    bandwidth. With it, (64, 128, 4, 8) moves 3.4-3.5 TB/s (whole-row programs: 2.4):
+    taller blocks write longer runs of each transposed column and the column split gives every
+    SM several programs. GELU's derivative (two inputs) likes 8 warps, GELU itself (more
+    arithmetic per byte) smaller tiles. Smaller tensors get fewer rows per program.
     """
-    block_m, block_n = (32, 128) if transpose else (8, 256)
-    while block_m > 8 and triton.cdiv(rows, block_m) < 512:
+    if not transpose:
+        block_m, block_n, warps, split = 8, 256, 8, 1
+    elif op == "gelu":
+        block_m, block_n, warps, split = 32, 64, 8, 8
+    else:
+        block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
+    while block_m > 8 and triton.cdiv(rows, block_m) * split < 512:
         block_m //= 2
-    return block_m, block_n, 8
+    return block_m, block_n, warps, max(1, min(split, triton.cdiv(cols, block_n)))
 
 
 def cast_transpose_amax(
@@ -101,7 +156,7 @@ def cast_transpose_amax(
     fp8_dtype: torch.dtype,
     amax_cell: torch.Tensor,
     transpose: bool,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FP8 copy of a contiguous 2-D CUDA tensor (and its transpose); amax into ``amax_cell``.
 
@@ -112,11 +167,12 @@ def cast_transpose_amax(
         amax_cell: 1-element float32 tensor (a view into the history), >= 0; receives
             ``max(amax_cell, max(|x| over finite x))``.
         transpose: Also return the ``(N, M)`` contiguous transpose.
-        config: ``(BLOCK_M, BLOCK_N, num_warps)``; default from :func:`default_config`
-            (benchmarks/profile_linear.py sweeps the alternatives).
+        config: ``(BLOCK_M, BLOCK_N, num_warps, column_split)``; default from
+            :func:`default_config` (benchmarks/profile_linear.py sweeps the alternatives).
     """
-    out, out_t, _ = _launch(x_2d, scale, scale, amax_cell, 0, 1, fp8_dtype, transpose,
-                            snapshot=False, new_step=False, config=config)
+    out, out_t, _, _ = _launch(x_2d, scale, scale, amax_cell, 0, 1, fp8_dtype, transpose,
+                               snapshot=False, new_step=False, column_sums=False,
+                               op="identity", aux=None, config=config)
     return out, out_t
 
 
@@ -130,7 +186,10 @@ def cast_slot(
     *,
     transpose: bool,
     new_step: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    column_sums: bool = False,
+    op: str = "identity",
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Cast with slot ``slot``'s scale and record its amax, all in one launch.
 
     Args:
@@ -143,21 +202,28 @@ def cast_slot(
         transpose: Also return the ``(N, M)`` contiguous transpose.
         new_step: This is the direction's first record since its last scale update: the
             history shifts down one row first (``scaling.shift_history``), in the same launch.
+        column_sums: Also return ``x_2d.sum(0)`` in float32 (a bias gradient), summed per
+            row block in the same pass, then over the blocks.
+        op: What is cast, computed in float32 in the same pass: ``"identity"`` (``x_2d``),
+            ``"gelu"`` (``gelu(x_2d)``, tanh approximation) or ``"dgelu"`` (``x_2d *
+            gelu'(aux)``). Amax, transpose and column sums are of that value.
+        aux: For ``"dgelu"``: the activation's input, shaped like ``x_2d``, contiguous.
 
     Returns:
-        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot)``, the last a 1-element copy of
-        ``scale_inv[slot]`` as it was when the cast ran.
+        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``; the snapshot
+        is a 1-element copy of ``scale_inv[slot]`` as it was when the cast ran.
     """
     return _launch(x_2d, scale, scale_inv, history, slot, history.shape[-1], fp8_dtype,
-                   transpose, snapshot=True, new_step=new_step)
+                   transpose, snapshot=True, new_step=new_step, column_sums=column_sums,
+                   op=op, aux=aux)
 
 
 # One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
 # one after another, and each launch leaves its pair zeroed for the next.
 _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(_cast_kernel)
-
-
+# tanh.approx is PTX: NVIDIA GPUs only (ROCm builds of torch also report "cuda" devices).
+_FAST_TANH = torch.version.hip is None
 _FP8_MAX = {dtype: float(torch.finfo(dtype).max)
             for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -171,27 +237,46 @@ def _scratch(device: torch.device) -> torch.Tensor:
     return pair
 
 
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str,
+          config: tuple[int, int, int, int] | None) -> tuple[Any, ...]:
+    """Everything about a launch that depends on shapes only (cached: this runs per cast)."""
+    block_m, block_n, warps, split = config or default_config(m, n, transpose, op)
+    cols_per_program = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cols_per_program))
+    slots_block = triton.next_power_of_2(max(n_slots, 2))
+    specs = (block_m, block_n, warps, slots_block, int_spec(m), int_spec(n),
+             int_spec(cols_per_program))
+    return grid, block_m, block_n, warps, cols_per_program, slots_block, specs
+
+
 def _launch(
     x_2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor,
     slot: int, n_slots: int, fp8_dtype: torch.dtype, transpose: bool, *, snapshot: bool,
-    new_step: bool, config: tuple[int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    new_step: bool, column_sums: bool, op: str, aux: torch.Tensor | None,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     m, n = x_2d.shape
     device = x_2d.device
+    grid, block_m, block_n, warps, cols_per_program, slots_block, specs = _plan(
+        m, n, transpose, n_slots, op, config)
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
     scratch = _scratch(device) if new_step else scale
-    block_m, block_n, warps = config or default_config(m, transpose)
-    slots_block = triton.next_power_of_2(max(n_slots, 2))
-    chunk = max(1, 2048 // slots_block)
+    partial = (torch.empty((grid[0], n), dtype=torch.float32, device=device) if column_sums
+               else scale)
     rows = history.shape[0] if history.dim() == 2 else 1
-    key = (x_2d.dtype, fp8_dtype, block_m, block_n, warps, transpose, snapshot, new_step,
-           slots_block, int_spec(m), int_spec(n), ptr_aligned(x_2d), ptr_aligned(scale),
+    code = OPS[op]
+    aux_t = aux if aux is not None else x_2d
+    key = (specs, x_2d.dtype, aux_t.dtype, fp8_dtype, transpose, snapshot, new_step,
+           column_sums, code, ptr_aligned(x_2d), ptr_aligned(aux_t), ptr_aligned(scale),
            ptr_aligned(scale_inv), ptr_aligned(history))
-    _LAUNCHER(key, (triton.cdiv(m, block_m),), (
-        x_2d, out, out_t, scale, scale_inv, inv_out, history, scratch, slot, n_slots, rows,
-        m, n, _FP8_MAX[fp8_dtype], block_m, block_n, transpose, snapshot,
-        new_step, slots_block, chunk,
+    _LAUNCHER(key, grid, (
+        x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, partial, slot,
+        n_slots, rows, m, n, cols_per_program, _FP8_MAX[fp8_dtype], block_m, block_n,
+        transpose, snapshot, new_step, column_sums, slots_block, max(1, 2048 // slots_block),
+        code, _FAST_TANH,
     ), device, num_warps=warps)
-    return out, (out_t if transpose else None), inv_out
+    return (out, (out_t if transpose else None), inv_out,
+            partial.sum(0) if column_sums else None)

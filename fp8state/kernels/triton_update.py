@@ -9,7 +9,9 @@ each module's buffers through a table of pointers (no concatenation, no copies b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -103,17 +105,25 @@ def update_scales_(
         fp8_max: Largest value of the direction's FP8 dtype.
         margin: ``DelayedScaling.margin``.
     """
-    n = history.shape[1]
-    block = min(1024, triton.next_power_of_2(max(n, 16)))
-    window = min(window, history.shape[0])
-    rows, most_recent, margin = _rows_per_load(block, window), algo == "most_recent", min(
-        int(margin), 300)
-    key = (block, rows, most_recent, int_spec(n), int_spec(window), int_spec(margin),
-           ptr_aligned(history), ptr_aligned(scale), ptr_aligned(scale_inv))
+    n, rows = history.shape[1], history.shape[0]
+    block, window, loads, margin, specs = _update_plan(n, rows, window, int(margin))
+    key = (specs, algo == "most_recent", ptr_aligned(history), ptr_aligned(scale),
+           ptr_aligned(scale_inv))
     _UPDATE(key, (triton.cdiv(n, block),), (
-        history, scale, scale_inv, n, window, float(fp8_max), margin, most_recent, block, rows,
-        FLOAT32_TINY, FLOAT32_MAX,
+        history, scale, scale_inv, n, window, float(fp8_max), margin, algo == "most_recent",
+        block, loads, FLOAT32_TINY, FLOAT32_MAX,
     ), history.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _update_plan(n: int, rows: int, window: int, margin: int) -> tuple[Any, ...]:
+    """Block sizes and specializations of :func:`update_scales_` (cached: runs per step)."""
+    block = min(1024, triton.next_power_of_2(max(n, 16)))
+    window = min(window, rows)
+    margin = min(margin, 300)
+    loads = _rows_per_load(block, window)
+    return block, window, loads, margin, (block, loads, int_spec(n), int_spec(window),
+                                          int_spec(margin))
 
 
 _UPDATE = FastLauncher(_update_kernel)

@@ -60,7 +60,7 @@ def linear(
     backend = resolve_backend(ctx.gemm_backend, inp.device)
     macs = inp.numel() * weight.shape[0]  # tokens * in * out
     if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs):
-        module.fp8_last_gemm_backend = "high_precision"
+        module.__dict__["fp8_last_gemm_backend"] = "high_precision"  # (per call: cheap)
         return F.linear(inp, weight, bias)
     autocast.register_forward(module, ctx)
     if inp.dim() == 2:  # no view ops at all in the common case: each costs host time
@@ -81,14 +81,22 @@ def _cast_slot(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
     transpose: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale."""
+    column_sums: bool = False,
+    op: str = "identity",
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale.
+
+    ``column_sums`` also returns the column sums from the same pass (a bias gradient);
+    ``op``/``aux`` cast a function of ``x`` instead (:func:`fp8state.cast.cast_slot`).
+    """
     hist, scale, scale_inv = module.fp8_meta(direction)
     new_step = module.fp8_open_record(direction)
     # The inverse scale comes back as a copy: the live one changes when the step ends,
     # before backward runs.
     return cast_slot(x.contiguous(), scale, scale_inv, hist, slot, fp8_dtype,
-                     transpose=transpose, new_step=new_step)
+                     transpose=transpose, new_step=new_step, column_sums=column_sums, op=op,
+                     aux=aux)
 
 
 def _cast_weight(
@@ -104,7 +112,7 @@ def _cast_weight(
     if is_first_microbatch is False and cached is not None:
         if not transpose or cached[1] is not None:
             return cached[0], cached[1], cached[2]
-    weight_fp8, weight_fp8_t, scale_inv = _cast_slot(
+    weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
         module, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT), weight.detach(), fp8_dtype, transpose
     )
     if is_first_microbatch is not None:
@@ -127,7 +135,7 @@ class _FP8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        inp_fp8, inp_fp8_t, inp_scale_inv = _cast_slot(
+        inp_fp8, inp_fp8_t, inp_scale_inv, _ = _cast_slot(
             module, "fwd", fwd_slot(gemm, FwdSlot.INPUT), inp_2d, fp8_dtype, need_wgrad
         )
         weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
@@ -137,7 +145,7 @@ class _FP8Linear(torch.autograd.Function):
             inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend,
             bias=bias, fast_accum=True,  # forward only, as TE (see fp8_gemm)
         )
-        module.fp8_last_gemm_backend = used
+        module.__dict__["fp8_last_gemm_backend"] = used  # not nn.Module.__setattr__
         # Only what backward multiplies with, in the layout it needs: FP8, not the input.
         ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv)
         ctx.module, ctx.gemm, ctx.fp8_ctx, ctx.backend = module, gemm, fp8_ctx, backend
@@ -152,9 +160,10 @@ class _FP8Linear(torch.autograd.Function):
         fp8_ctx: autocast.FP8Context = ctx.fp8_ctx
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         autocast.register_backward(module, fp8_ctx)
-        grad_fp8, grad_fp8_t, grad_scale_inv = _cast_slot(
+        need_bias = ctx.bias_dtype is not None and need_bgrad
+        grad_fp8, grad_fp8_t, grad_scale_inv, grad_sums = _cast_slot(
             module, "bwd", bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT), grad_out,
-            fp8_ctx.recipe.fp8_format.dtype("bwd"), need_wgrad,
+            fp8_ctx.recipe.fp8_format.dtype("bwd"), need_wgrad, column_sums=need_bias,
         )
         grad_inp = grad_weight = grad_bias = None
         if need_dgrad:  # (M, N) @ (N, K); weight_fp8_t.t() is (N, K) column-major
@@ -168,6 +177,7 @@ class _FP8Linear(torch.autograd.Function):
                 grad_fp8_t, grad_scale_inv, inp_fp8_t.t(), inp_scale_inv, ctx.weight_dtype,
                 ctx.backend,
             )
-        if ctx.bias_dtype is not None and need_bgrad:
-            grad_bias = grad_out.sum(dim=0).to(ctx.bias_dtype)
+        if need_bias:
+            assert grad_sums is not None  # cast with column_sums=need_bias
+            grad_bias = grad_sums.to(ctx.bias_dtype)
         return grad_inp, grad_weight, grad_bias, None, None, None, None, None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
-from fp8state.modules import _fp8_linear
+from fp8state.modules import _fp8_linear, _fp8_mlp
 from fp8state.modules._params import (
     check_normalization,
     new_norm_params,
@@ -52,7 +52,23 @@ class LayerNormMLP(FP8StateMixin):
         params_dtype: dtype of the parameters.
         device: Device of parameters and FP8 metadata.
         return_layernorm_output: Also return the norm's output, as TE can.
+
+    Example:
+        >>> import torch, fp8state
+        >>> mlp = fp8state.LayerNormMLP(32, 64, activation="swiglu")
+        >>> {k: tuple(v.shape) for k, v in mlp.state_dict().items() if k != "_extra_state"}
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'layer_norm_weight': (32,), 'layer_norm_bias': (32,), 'fc1_weight': (128, 32),
+         'fc1_bias': (128,), 'fc2_weight': (32, 64), 'fc2_bias': (32,)}
+        >>> len(mlp.fp8_meta("fwd").scale), len(mlp.fp8_meta("bwd").scale)  # 2 GEMMs
+        (6, 4)
     """
+
+    #: With ``activation="gelu"`` under ``fp8_autocast``, compute GELU and its derivative
+    #: inside the FP8 casts (fp8state/modules/_fp8_mlp.py): less memory traffic and no
+    #: high-precision activation or activation gradient in memory. False runs fc1, GELU and
+    #: fc2 as separate steps (the same slots and, for float32 inputs, the same numbers).
+    fp8_fuse_activation: bool = True
 
     def __init__(
         self,
@@ -107,6 +123,11 @@ class LayerNormMLP(FP8StateMixin):
         normed = normalize(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
+        if self.activation == "gelu" and self.fp8_fuse_activation:
+            out = _fp8_mlp.gelu_mlp(self, normed, self.fc1_weight, self.fc1_bias,
+                                    self.fc2_weight, self.fc2_bias, is_first_microbatch)
+            if out is not None:
+                return (out, normed) if self.return_layernorm_output else out
         hidden = _fp8_linear.linear(
             self, normed, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch
         )

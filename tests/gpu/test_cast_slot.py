@@ -50,6 +50,19 @@ def test_matches_reference(rows, n, slot, shape, new_step) -> None:
     assert torch.equal(got_hist.cpu(), ref_hist)
 
 
+@pytest.mark.parametrize("shape", [(1, 16), (33, 80), (4096, 1000), (16384, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_column_sums(shape, dtype) -> None:
+    """The bias gradient from the cast's pass: float32 sums over every row block."""
+    x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
+    hist, scale, scale_inv = (t.cuda() for t in _buffers(4, 2, 1))
+    for transpose in (False, True):
+        *_, sums = cast_slot(x, scale, scale_inv, hist, 0, torch.float8_e5m2,
+                             transpose=transpose, new_step=False, column_sums=True)
+        assert sums is not None and sums.dtype == torch.float32
+        torch.testing.assert_close(sums, x.double().sum(0).float(), rtol=1e-5, atol=1e-3)
+
+
 def test_repeated_launches_reuse_scratch() -> None:
     """Every new-step launch leaves its scratch zeroed, so the next one starts clean."""
     hist = torch.zeros(8, 3, device="cuda")
@@ -69,8 +82,40 @@ def test_repeated_launches_reuse_scratch() -> None:
 def test_snapshot_is_a_copy() -> None:
     hist, scale, scale_inv = (t.cuda() for t in _buffers(4, 3, 0))
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    _, _, snap = cast_slot(x, scale, scale_inv, hist, 1, torch.float8_e4m3fn,
+    _, _, snap, _ = cast_slot(x, scale, scale_inv, hist, 1, torch.float8_e4m3fn,
                            transpose=False, new_step=True)
     before = scale_inv[1].item()
     scale_inv.fill_(123.0)
     assert snap.item() == before
+
+
+@pytest.mark.parametrize("op", ["gelu", "dgelu"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_fused_ops_match_reference_values(op, transpose) -> None:
+    """GELU and its derivative in the kernel against torch's float32 definitions.
+
+    The kernel uses the hardware's tanh (relative error about 2**-11), so a value near an FP8
+    rounding boundary may land one step away: allowed for a small fraction of elements.
+    """
+    from fp8state.cast import apply_op
+    from fp8state.quantize import finite_amax, quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(2048, 768, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    aux = (torch.randn(2048, 768, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    hist, scale, scale_inv = (t.cuda() for t in _buffers(8, 3, 4))
+    before = hist.clone()
+    fp8, fp8_t, _, sums = cast_slot(x, scale, scale_inv, hist, 2, torch.float8_e4m3fn,
+                                    transpose=transpose, new_step=True, column_sums=True,
+                                    op=op, aux=aux if op == "dgelu" else None)
+    value = apply_op(x, op, aux)
+    ref = quantize(value, scale[2:3], torch.float8_e4m3fn).float()
+    got = fp8.float()
+    off = (got != ref).float().mean().item()
+    assert off < 0.02
+    assert ((got - ref).abs() <= ref.abs() * 0.125 + 2**-9).all()  # at most one E4M3 step
+    if transpose:
+        assert torch.equal(fp8_t.float(), got.t())
+    torch.testing.assert_close(hist[0, 2], finite_amax(value), rtol=2e-3, atol=0)
+    assert torch.equal(hist[1:], before[:-1])
+    torch.testing.assert_close(sums, value.double().sum(0).float(), rtol=2e-3, atol=0.1)
