@@ -6,9 +6,11 @@ from typing import Any
 from fp8state import errors
 from fp8state._version import __version__
 from fp8state.autocast import fp8_autocast, is_fp8_enabled
+from fp8state.convert import convert_model, plan_conversion
 from fp8state.formats import Format
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from fp8state.recalibrate import CalibrationReport, recalibrate
 from fp8state.recipe import DelayedScaling
 
 __all__ = [
@@ -24,6 +26,10 @@ __all__ = [
     "LayerNormMLP",
     "fp8_autocast",
     "is_fp8_enabled",
+    "convert_model",
+    "plan_conversion",
+    "recalibrate",
+    "CalibrationReport",
     "migrate",
     "checkpoint",
 ]

@@ -5,7 +5,8 @@ task under ``fp8_autocast``. The run saves model and optimizer with ``torch.save
 a fresh model (on a second GPU when there is one) loads that file with
 ``torch.load(weights_only=True)`` and trains the second half again. The two loss curves of the
 second half must be equal bit for bit: everything that affects the numbers, FP8 scaling
-metadata included, is in the checkpoint.
+metadata included, is in the checkpoint. The scales of a few slots are recorded after every
+step of both runs (:data:`TRACED_SLOTS`), so ``fp8state demo --plot`` can draw them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,24 @@ import torch
 from torch import nn
 
 from fp8state.autocast import fp8_autocast
+from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNormMLP, Linear
 from fp8state.recipe import DelayedScaling
+from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
-__all__ = ["DemoConfig", "DemoModel", "DemoResult", "run_demo", "train_steps", "pick_devices"]
+__all__ = [
+    "DemoConfig", "DemoModel", "DemoResult", "run_demo", "train_steps", "pick_devices",
+    "TRACED_SLOTS", "ScaleTrace",
+]
+
+#: Slots whose scale the demo records after every step: label -> (module, direction, slot).
+#: An activation, a weight and a gradient, so the plot shows all three kinds moving.
+TRACED_SLOTS: dict[str, tuple[str, str, int]] = {
+    "block 0 fc1 input": ("blocks.0", "fwd", fwd_slot(0, FwdSlot.INPUT)),
+    "block 0 fc2 input": ("blocks.0", "fwd", fwd_slot(1, FwdSlot.INPUT)),
+    "head weight": ("head", "fwd", fwd_slot(0, FwdSlot.WEIGHT)),
+    "head grad_output": ("head", "bwd", bwd_slot(0, BwdSlot.GRAD_OUTPUT)),
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,24 @@ def train_steps(
     return losses
 
 
+class ScaleTrace:
+    """Records the scales of :data:`TRACED_SLOTS` of one model after each training step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._cells: list[tuple[FP8StateMixin, str, int]] = []
+        for module_name, direction, slot in TRACED_SLOTS.values():
+            module = model.get_submodule(module_name)
+            assert isinstance(module, FP8StateMixin)  # DemoModel's layout
+            self._cells.append((module, direction, slot))
+        self.values: dict[str, list[float]] = {label: [] for label in TRACED_SLOTS}
+
+    def record(self) -> None:
+        """Append the current scales (one device-to-host copy for all slots)."""
+        scales = torch.stack([m.fp8_meta(d).scale[slot] for m, d, slot in self._cells])
+        for label, value in zip(self.values, scales.tolist(), strict=True):
+            self.values[label].append(value)
+
+
 def pick_devices(device: str | None = None, resume_device: str | None = None
                  ) -> tuple[torch.device, torch.device]:
     """Training device (a GPU when there is one) and resume device (another GPU if any)."""
@@ -131,12 +164,24 @@ class DemoResult:
     resumed_losses: list[float]
     checkpoint_bytes: int
     scales: dict[str, list[float]]
+    #: Scale of each :data:`TRACED_SLOTS` slot after every step of the uninterrupted run.
+    scale_trace: dict[str, list[float]] = field(default_factory=dict)
+    #: The same for the resumed run (its steps only, from the checkpoint on).
+    resumed_scale_trace: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def checkpoint_step(self) -> int:
+        """Global step at which the resumed run starts (the checkpoint was taken before it)."""
+        return len(self.losses) - len(self.resumed_losses)
 
     @property
     def resume_exact(self) -> bool:
-        """The resumed curve equals the uninterrupted one bit for bit."""
-        half = len(self.losses) - len(self.resumed_losses)
-        return self.losses[half:] == self.resumed_losses
+        """The resumed losses and traced scales equal the uninterrupted ones bit for bit."""
+        half = self.checkpoint_step
+        return self.losses[half:] == self.resumed_losses and all(
+            self.scale_trace[label][half:] == values
+            for label, values in self.resumed_scale_trace.items()
+        )
 
 
 def run_demo(
@@ -148,12 +193,14 @@ def run_demo(
     """Train ``cfg.steps`` steps with a checkpoint half-way, resume it, and compare."""
     half = cfg.steps // 2
     model, opt = build(cfg, device)
+    trace = ScaleTrace(model)
+    on_step = _recording(trace, progress)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "checkpoint.pt")
         start = time.perf_counter()
-        losses = train_steps(model, opt, cfg, range(half), device, progress)
+        losses = train_steps(model, opt, cfg, range(half), device, on_step)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
-        losses += train_steps(model, opt, cfg, range(half, cfg.steps), device, progress)
+        losses += train_steps(model, opt, cfg, range(half, cfg.steps), device, on_step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -161,8 +208,9 @@ def run_demo(
         ckpt = torch.load(path, weights_only=True, map_location="cpu")
         fresh.load_state_dict(ckpt["model"])
         fresh_opt.load_state_dict(ckpt["optimizer"])
+        resumed_trace = ScaleTrace(fresh)
         resumed = train_steps(fresh, fresh_opt, cfg, range(half, cfg.steps), resume_device,
-                              progress)
+                              _recording(resumed_trace, progress))
         size = os.path.getsize(path)
     head = model.head
     return DemoResult(
@@ -177,4 +225,18 @@ def run_demo(
             "head fwd (input, weight)": head.fp8_meta("fwd").scale[:2].tolist(),
             "head bwd (grad_output)": head.fp8_meta("bwd").scale[:1].tolist(),
         },
+        scale_trace=trace.values,
+        resumed_scale_trace=resumed_trace.values,
     )
+
+
+def _recording(trace: ScaleTrace, progress: Callable[[int, float], None] | None
+               ) -> Callable[[int, float], None]:
+    """A step callback that records the traced scales, then reports progress."""
+
+    def on_step(step: int, loss: float) -> None:
+        trace.record()
+        if progress is not None:
+            progress(step, loss)
+
+    return on_step

@@ -32,6 +32,18 @@ class FP8StateError(Exception):
         found: What was found there.
         expected: What should have been there.
         fix: What the user can do about it.
+
+    Example:
+        >>> import fp8state
+        >>> from fp8state.errors import FP8StateError
+        >>> try:
+        ...     fp8state.DelayedScaling(margin=-1)
+        ... except FP8StateError as err:
+        ...     caught = err
+        >>> type(caught).__name__, caught.key, caught.found, caught.expected
+        ('RecipeError', 'DelayedScaling.margin', '-1', 'an int >= 0')
+        >>> print(caught)
+        DelayedScaling.margin: found -1; expected an int >= 0. Pass e.g. margin=0.
     """
 
     def __init__(self, key: str, found: str, expected: str, fix: str) -> None:
@@ -50,6 +62,12 @@ class FP8StateError(Exception):
         """Return the same error with ``prefix`` put in front of its key.
 
         Used to name the state-dict key when the error is raised inside ``load_state_dict``.
+
+        Example:
+            >>> from fp8state.errors import SchemaError
+            >>> err = SchemaError("['fwd.scale']", "nan", "finite values > 0", "Load another.")
+            >>> err.under("blocks.1._extra_state").key
+            "blocks.1._extra_state['fwd.scale']"
         """
         return type(self)(f"{prefix}{self.key}", self.found, self.expected, self.fix)
 
@@ -63,7 +81,20 @@ class SchemaError(FP8StateError, ValueError):
 
 
 class SchemaVersionError(SchemaError):
-    """An extra-state payload has a schema version this library cannot read."""
+    """An extra-state payload has a schema version this library cannot read.
+
+    Example:
+        >>> import torch
+        >>> from fp8state.errors import SchemaVersionError
+        >>> from fp8state.schema import default_payload, unpack
+        >>> payload = default_payload(num_gemms=1)
+        >>> payload["schema_version"] = torch.tensor(2)  # as a newer fp8state would write
+        >>> try:
+        ...     unpack(payload)
+        ... except SchemaVersionError as err:
+        ...     print(err.found, "|", err.fix)
+        version 2 | Upgrade fp8state to read this checkpoint.
+    """
 
 
 class LegacyFormatError(FP8StateError, ValueError):

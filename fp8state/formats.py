@@ -22,6 +22,12 @@ class FormatSpec:
         fwd_max: Largest finite value of ``fwd_dtype``.
         bwd_dtype: FP8 dtype of backward tensors (gradients).
         bwd_max: Largest finite value of ``bwd_dtype``.
+
+    Example:
+        >>> from fp8state import Format
+        >>> spec = Format.E4M3.spec
+        >>> spec.fwd_dtype == spec.bwd_dtype, spec.bwd_max
+        (True, 448.0)
     """
 
     fwd_dtype: torch.dtype
@@ -41,6 +47,15 @@ class Format(enum.Enum):
     (max 57344) for gradients, which need range more than precision.
 
     The schema code (``recipe.fp8_format`` in a checkpoint) is :attr:`code`.
+
+    Example:
+        >>> from fp8state import Format
+        >>> Format.HYBRID.dtype("fwd"), Format.HYBRID.dtype("bwd")
+        (torch.float8_e4m3fn, torch.float8_e5m2)
+        >>> Format.HYBRID.max("fwd"), Format.HYBRID.max("bwd")
+        (448.0, 57344.0)
+        >>> Format.HYBRID.code, Format.from_code(0)
+        (1, <Format.E4M3: ...>)
     """
 
     E4M3 = FormatSpec(torch.float8_e4m3fn, _E4M3_MAX, torch.float8_e4m3fn, _E4M3_MAX)

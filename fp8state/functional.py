@@ -33,8 +33,31 @@ def fp8_linear(
         bias: ``(out_features,)`` or None.
         gemm: Which of the module's GEMMs this is (0-based, below ``num_gemms``).
 
+    Returns:
+        ``(..., out_features)``, in ``inp``'s dtype.
+
     Raises:
         ConfigError: ``gemm`` is not one of the module's GEMMs.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, fp8state
+        >>> from fp8state.functional import fp8_linear
+        >>> class Proj(fp8state.FP8StateMixin):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.weight = torch.nn.Parameter(torch.randn(16, 16))
+        ...         self.init_fp8_meta(num_gemms=1)
+        ...     def forward(self, x):
+        ...         return fp8_linear(self, x, self.weight)
+        >>> proj, x = Proj(), torch.randn(4, 16)
+        >>> torch.equal(proj(x), F.linear(x, proj.weight))  # outside fp8_autocast
+        True
+        >>> with fp8state.fp8_autocast():
+        ...     y = proj(x)
+        >>> proj.fp8_last_gemm_backend  # on a CPU; "scaled_mm" on an FP8-capable GPU
+        'emulated'
+        >>> bool(proj.fp8_meta("fwd").amax_history[0, 0] == x.abs().max())  # input slot
+        True
     """
     if not 0 <= gemm < module.fp8_num_gemms:
         raise ConfigError(

@@ -54,6 +54,15 @@ def amax_from_history(history: torch.Tensor, window: int, algo: str) -> torch.Te
 
     Returns:
         ``(n_slots,)`` float32 tensor on the history's device.
+
+    Example:
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> history = torch.tensor([[2.0, 0.0], [7.0, 0.0], [100.0, 0.0]])  # row 0 newest
+        >>> scaling.amax_from_history(history, window=2, algo="max")  # 100 is outside
+        tensor([7., 0.])
+        >>> scaling.amax_from_history(history, window=2, algo="most_recent")
+        tensor([2., 0.])
     """
     if algo == "most_recent":
         return history[0].clone()
@@ -75,6 +84,15 @@ def scale_from_amax(
 
     Returns:
         ``(n_slots,)`` float32, finite and > 0 wherever ``prev_scale`` is.
+
+    Example:
+        One slot per row of the edge-case table: normal, 0, inf, tiny.
+
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> amax = torch.tensor([2.0, 0.0, float("inf"), 1e-38])
+        >>> scaling.scale_from_amax(amax, torch.full((4,), 1.5), fp8_max=448.0, margin=1)
+        tensor([1.1200e+02, 1.5000e+00, 1.5000e+00, 3.4028e+38])
     """
     # Same operation order as the documented formula, so tests can check it bit for bit. A
     # float divided by a tensor would run reciprocal(amax) * fp8_max (two roundings, one ulp off
@@ -104,15 +122,39 @@ def update_scale(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and scale_inv per slot from a history, as delayed scaling does at a step's end.
 
+    Args:
+        history: ``(rows, n_slots)`` float32, row 0 most recent.
+        prev_scale: ``(n_slots,)`` float32, kept where the amax is 0 or not finite.
+        window: ``DelayedScaling.amax_history_len``.
+        algo: ``DelayedScaling.amax_compute_algo``.
+        fp8_max: Largest value of the slots' FP8 dtype (``Format.max(direction)``).
+        margin: ``DelayedScaling.margin``.
+
     Returns:
         ``(scale, scale_inv)``, both ``(n_slots,)`` float32 on the history's device.
+
+    Example:
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> history = torch.tensor([[2.0, 0.0], [7.0, 0.0]])
+        >>> scale, scale_inv = scaling.update_scale(
+        ...     history, torch.ones(2), window=2, algo="max", fp8_max=448.0, margin=0)
+        >>> scale.tolist(), bool((scale_inv == 1 / scale).all())
+        ([64.0, 1.0], True)
     """
     scale = scale_from_amax(amax_from_history(history, window, algo), prev_scale, fp8_max, margin)
     return scale, torch.reciprocal(scale)
 
 
 def shift_history(history: torch.Tensor) -> torch.Tensor:
-    """Open a new step: rows move down by one, the oldest falls off, row 0 becomes zeros."""
+    """Open a new step: rows move down by one, the oldest falls off, row 0 becomes zeros.
+
+    Example:
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> scaling.shift_history(torch.tensor([[3.0], [2.0], [1.0]])).flatten().tolist()
+        [0.0, 3.0, 2.0]
+    """
     shifted = torch.zeros_like(history)
     shifted[1:] = history[:-1]
     return shifted
@@ -122,6 +164,13 @@ def record_amax(row0: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """Combine a new amax with what the current step already recorded (their max).
 
     Non-finite amaxes count as 0 (see the module docstring).
+
+    Example:
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> row0 = torch.tensor([2.0, 2.0])  # what this step recorded so far
+        >>> scaling.record_amax(row0, torch.tensor([5.0, float("nan")])).tolist()
+        [5.0, 2.0]
     """
     amax = amax.to(torch.float32)
     clean = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))

@@ -52,7 +52,13 @@ UPGRADERS: dict[int, Callable[[Mapping[str, Any]], Payload]] = {}
 
 
 def slots_per_gemm(direction: str) -> int:
-    """3 forward or 2 backward slots per GEMM (TE's layout)."""
+    """3 forward or 2 backward slots per GEMM (TE's layout).
+
+    Example:
+        >>> from fp8state.schema import slots_per_gemm
+        >>> slots_per_gemm("fwd"), slots_per_gemm("bwd")
+        (3, 2)
+    """
     return FWD_SLOTS_PER_GEMM if direction == "fwd" else BWD_SLOTS_PER_GEMM
 
 
@@ -67,7 +73,14 @@ class DirectionState:
 
 @dataclass(frozen=True)
 class FP8State:
-    """A validated payload: both directions and the recipe that produced them."""
+    """A validated payload: both directions and the recipe that produced them.
+
+    Example:
+        >>> from fp8state.schema import default_payload, unpack
+        >>> state = unpack(default_payload(num_gemms=2, rows=8))
+        >>> state.num_gemms, state.rows, tuple(state.direction("bwd").amax_history.shape)
+        (2, 8, (8, 4))
+    """
 
     fwd: DirectionState
     bwd: DirectionState
@@ -93,6 +106,16 @@ def pack(state: FP8State) -> Payload:
 
     Device tensors are concatenated and moved in one device-to-host transfer; no device-wide
     synchronization happens (the copy waits only for the current stream).
+
+    Example:
+        >>> import torch
+        >>> from fp8state.schema import default_payload, pack, unpack
+        >>> payload = default_payload(num_gemms=1, rows=4)
+        >>> again = pack(unpack(payload))
+        >>> sorted(again) == sorted(payload)
+        True
+        >>> all(torch.equal(again[k], payload[k]) for k in payload)
+        True
     """
     parts = [getattr(state.direction(d), f) for d in DIRECTIONS for f in _TENSOR_FIELDS]
     if parts[0].device.type == "cpu":
@@ -114,7 +137,16 @@ def pack(state: FP8State) -> Payload:
 def default_payload(
     num_gemms: int, rows: int = 1024, recipe: DelayedScaling | None = None
 ) -> Payload:
-    """Payload of a module that never ran in FP8: zero histories, scales and scale_invs of 1."""
+    """Payload of a module that never ran in FP8: zero histories, scales and scale_invs of 1.
+
+    Example:
+        >>> from fp8state.schema import default_payload
+        >>> payload = default_payload(num_gemms=2, rows=4)
+        >>> tuple(payload["fwd.amax_history"].shape), payload["bwd.scale"].tolist()
+        ((4, 6), [1.0, 1.0, 1.0, 1.0])
+        >>> int(payload["schema_version"]), int(payload["recipe.amax_history_len"])
+        (1, 4)
+    """
     recipe = recipe or DelayedScaling(amax_history_len=min(1024, rows))
 
     def direction(d: str) -> DirectionState:
@@ -141,6 +173,18 @@ def unpack(payload: object, *, num_gemms: int | None = None) -> FP8State:
             :data:`SCHEMA_VERSION`).
         SchemaError: anything else does not follow the schema. The error's key is the payload
             key at fault (``"['fwd.scale']"``), ready to be put under a state-dict key.
+
+    Example:
+        >>> from fp8state.errors import SchemaError
+        >>> from fp8state.schema import default_payload, unpack
+        >>> payload = default_payload(num_gemms=1)
+        >>> unpack(payload).recipe.amax_history_len
+        1024
+        >>> try:
+        ...     unpack(payload, num_gemms=2)  # a Linear's payload for a LayerNormMLP
+        ... except SchemaError as err:
+        ...     print(err.key, "|", err.found)
+        ['fwd.scale'] | metadata for 1 GEMM(s) (3 slots)
     """
     if not isinstance(payload, Mapping):
         raise SchemaError(

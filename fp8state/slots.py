@@ -16,7 +16,13 @@ BWD_SLOTS_PER_GEMM = 2
 
 
 class FwdSlot(enum.IntEnum):
-    """Forward slot of GEMM ``g`` is ``g * FWD_SLOTS_PER_GEMM + role``."""
+    """Forward slot of GEMM ``g`` is ``g * FWD_SLOTS_PER_GEMM + role``.
+
+    Example:
+        >>> from fp8state.slots import FwdSlot, fwd_slot
+        >>> [(role.name, fwd_slot(1, role)) for role in FwdSlot]
+        [('INPUT', 3), ('WEIGHT', 4), ('OUTPUT', 5)]
+    """
 
     INPUT = 0
     WEIGHT = 1
@@ -24,17 +30,39 @@ class FwdSlot(enum.IntEnum):
 
 
 class BwdSlot(enum.IntEnum):
-    """Backward slot of GEMM ``g`` is ``g * BWD_SLOTS_PER_GEMM + role``."""
+    """Backward slot of GEMM ``g`` is ``g * BWD_SLOTS_PER_GEMM + role``.
+
+    Example:
+        >>> from fp8state.slots import BwdSlot, bwd_slot
+        >>> [(role.name, bwd_slot(1, role)) for role in BwdSlot]
+        [('GRAD_OUTPUT', 2), ('GRAD_INPUT', 3)]
+    """
 
     GRAD_OUTPUT = 0
     GRAD_INPUT = 1
 
 
 def fwd_slot(gemm: int, role: FwdSlot) -> int:
-    """Column of the forward metadata for ``role`` of GEMM ``gemm``."""
+    """Column of the forward metadata for ``role`` of GEMM ``gemm``.
+
+    Example:
+        The weight of ``LayerNormMLP``'s fc2 (its GEMM 1):
+
+        >>> from fp8state.slots import FwdSlot, fwd_slot
+        >>> fwd_slot(1, FwdSlot.WEIGHT)
+        4
+    """
     return gemm * FWD_SLOTS_PER_GEMM + int(role)
 
 
 def bwd_slot(gemm: int, role: BwdSlot) -> int:
-    """Column of the backward metadata for ``role`` of GEMM ``gemm``."""
+    """Column of the backward metadata for ``role`` of GEMM ``gemm``.
+
+    Example:
+        The output gradient of ``LayerNormMLP``'s fc2 (its GEMM 1):
+
+        >>> from fp8state.slots import BwdSlot, bwd_slot
+        >>> bwd_slot(1, BwdSlot.GRAD_OUTPUT)
+        2
+    """
     return gemm * BWD_SLOTS_PER_GEMM + int(role)

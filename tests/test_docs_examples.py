@@ -1,6 +1,8 @@
-"""The documentation runs: README's and docs/custom_modules.md's python blocks, executed as
-written (in order, one namespace per file, in a temporary directory), and the docstring
-examples of the core modules."""
+"""The documentation runs: the python blocks of README.md and of the docs pages listed in
+DOCS_WITH_CODE, executed as written (in order, one namespace per file, in a temporary
+directory), and the docstring examples of the core modules. docs/migration.md and
+docs/interop.md have tests of their own; tests/test_docs_links.py checks that every page with
+python blocks is run by one of them."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS_WITH_CODE = [
     "README.md", "docs/custom_modules.md", "docs/concepts_scaling.md", "docs/schema.md",
+    "docs/getting_started.md", "docs/concepts.md", "docs/checkpoints.md", "docs/faq.md",
 ]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 

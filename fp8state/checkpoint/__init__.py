@@ -10,6 +10,10 @@
 - :func:`consolidate`: a DCP folder to one ``torch.save`` file; :func:`load_dcp_state_dict`
   and :func:`read_dcp_metadata` read DCP folders without a model (``load_dcp_state_dict(...,
   trusted=False)`` runs nothing pickled in a folder of unknown origin).
+- :func:`load_plain_state_dict` / :func:`to_plain_state_dict`: weights without FP8 metadata
+  (a model trained without FP8, a Hugging Face checkpoint) in and out, under plain PyTorch's
+  names; :func:`save_safetensors` / :func:`load_safetensors` do the same with files
+  (``docs/interop.md``).
 
 The rules behind them are in ``docs/checkpoints.md``.
 """
@@ -24,6 +28,8 @@ from fp8state.checkpoint.dcp_files import (
 )
 from fp8state.checkpoint.distributed import dcp_load, dcp_save
 from fp8state.checkpoint.io import find_legacy_extra_states, load
+from fp8state.checkpoint.plain import load_plain_state_dict, to_plain_state_dict
+from fp8state.checkpoint.plain_safetensors import load_safetensors, save_safetensors
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
 
@@ -32,6 +38,10 @@ __all__ = [
     "load_state_dict",
     "validate_state_dict",
     "find_legacy_extra_states",
+    "load_plain_state_dict",
+    "to_plain_state_dict",
+    "save_safetensors",
+    "load_safetensors",
     "dcp_save",
     "dcp_load",
     "check_fp8_metadata_replicated",

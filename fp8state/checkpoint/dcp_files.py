@@ -44,7 +44,18 @@ class DCPEntry:
 
 
 def is_dcp_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """True if ``path`` is a folder holding a DCP checkpoint (it has a ``.metadata`` file)."""
+    """True if ``path`` is a folder holding a DCP checkpoint (it has a ``.metadata`` file).
+
+    Example:
+        >>> import tempfile, torch, torch.distributed.checkpoint as dcp
+        >>> from fp8state.checkpoint import is_dcp_checkpoint
+        >>> folder = tempfile.mkdtemp()
+        >>> is_dcp_checkpoint(folder)
+        False
+        >>> _ = dcp.save({"w": torch.ones(2)}, checkpoint_id=folder, no_dist=True)
+        >>> is_dcp_checkpoint(folder)
+        True
+    """
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA_FILE))
 
 
@@ -110,6 +121,16 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
 
     Raises:
         CheckpointError: ``path`` is not a DCP folder or its metadata is damaged.
+
+    Example:
+        >>> import tempfile, torch, fp8state
+        >>> from fp8state.checkpoint import dcp_save, read_dcp_metadata
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = dcp_save(torch.nn.Sequential(fp8state.Linear(16, 16)), folder)
+        >>> for entry in read_dcp_metadata(folder)[:2]:
+        ...     print(entry.key, entry.path, entry.shape)
+        0._extra_state.bwd.amax_history ('0._extra_state', 'bwd.amax_history') (1024, 2)
+        0._extra_state.bwd.scale ('0._extra_state', 'bwd.scale') (2,)
     """
     md = read_metadata(path)
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}

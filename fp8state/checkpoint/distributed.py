@@ -231,6 +231,22 @@ def dcp_load(
         StateDictError: missing keys, shape mismatches or invalid FP8 extra state; the model
             is unchanged.
         CheckpointError: DCP failed to read the folder.
+
+    Example:
+        In one process (no process group); with one, every rank makes the same calls.
+
+        >>> import tempfile, torch, fp8state
+        >>> from fp8state.checkpoint import dcp_load, dcp_save
+        >>> folder = tempfile.mkdtemp()
+        >>> saved = torch.nn.Sequential(fp8state.Linear(16, 16))
+        >>> with fp8state.fp8_autocast():
+        ...     _ = saved(torch.randn(4, 16))
+        >>> _ = dcp_save(saved, folder, key="model")
+        >>> fresh = torch.nn.Sequential(fp8state.Linear(16, 16))
+        >>> dcp_load(fresh, folder, key="model")
+        <All keys matched successfully>
+        >>> torch.equal(fresh[0].fp8_meta("fwd").scale, saved[0].fp8_meta("fwd").scale)
+        True
     """
     where = os.fspath(checkpoint_id)
     reader = storage_reader or dcp.FileSystemReader(where)

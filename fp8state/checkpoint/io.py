@@ -54,6 +54,15 @@ def find_legacy_extra_states(obj: object) -> dict[str, str]:
 
     Only forms TransformerEngine wrote are reported (pickled uint8 tensors, lists, dicts of
     ``scale_fwd``..., ``None``); another library's extra state is left alone.
+
+    Example:
+        >>> import torch, fp8state
+        >>> from fp8state.checkpoint import find_legacy_extra_states
+        >>> state = {"fc.weight": torch.ones(2, 2), "fc._extra_state": None}  # TE <= 0.5
+        >>> find_legacy_extra_states(state)
+        {'fc._extra_state': 'None (TransformerEngine <= 0.5, FP8 never used)'}
+        >>> find_legacy_extra_states(fp8state.Linear(16, 16).state_dict())
+        {}
     """
     found = {}
     for key, value in iter_extra_states(obj):

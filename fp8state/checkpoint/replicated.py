@@ -101,6 +101,16 @@ def check_fp8_metadata_replicated(
     Raises:
         DistributedStateError: naming each module, the payload keys that differ and which
             ranks hold which variant.
+
+    Example:
+        Before a ``torch.distributed.checkpoint.save`` of your own (``dcp_save`` calls it
+        for you). In one process there is nothing to compare:
+
+        >>> import torch, fp8state
+        >>> from fp8state.checkpoint import check_fp8_metadata_replicated
+        >>> model = torch.nn.Sequential(fp8state.Linear(16, 16), fp8state.Linear(16, 16))
+        >>> check_fp8_metadata_replicated({"model": model.state_dict()})
+        2
     """
     local = _local_digests(model_or_state_dict)
     if not (dist.is_available() and dist.is_initialized()):

@@ -118,6 +118,16 @@ def validate_state_dict(
     Returns:
         The state dict keyed as ``model.state_dict()`` keys it (full tensors for sharded
         parameters turned into DTensors) and the list of problems, empty when it fits.
+
+    Example:
+        >>> import torch, fp8state
+        >>> from fp8state.checkpoint import validate_state_dict
+        >>> model = torch.nn.Sequential(fp8state.Linear(16, 16))
+        >>> sd = model.state_dict()
+        >>> sd["0.weight"] = torch.zeros(3, 3)
+        >>> _, problems = validate_state_dict(model, sd)
+        >>> [(p.key, p.found) for p in problems]
+        [('0.weight', 'shape (3, 3)')]
     """
     resolver = KeyResolver(model_entries(model))
     out: OrderedDict[str, Any] = OrderedDict()

@@ -8,6 +8,7 @@ import sys
 from tqdm import tqdm
 
 from fp8state.demo import DemoConfig, pick_devices, run_demo
+from fp8state.plot import check_plot_path, plot_demo
 
 NAME = "demo"
 HELP = "Train a small FP8 model, checkpoint half-way, resume in a fresh model, compare bitwise."
@@ -26,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device of the resumed model (default: another GPU if there is one)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--plot", metavar="PATH", default=None,
+        help="also write a PNG of both loss curves and the scales of a few FP8 slots per step "
+             "(needs matplotlib: pip install 'fp8state[plot]')",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2:
         print("fp8state demo: error: --steps must be at least 2", file=sys.stderr)
         return 2
+    # Before training: a missing matplotlib or a bad path must not cost the whole run.
+    plot_path = check_plot_path(args.plot) if args.plot is not None else None
     cfg = DemoConfig(steps=args.steps, seed=args.seed)
     device, resume_device = pick_devices(args.device, args.resume_device)
     total = cfg.steps + cfg.steps // 2
@@ -53,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
           "loaded with torch.load(weights_only=True)")
     for name, values in result.scales.items():
         print(f"  scale {name:<26} " + ", ".join(f"{v:.4g}" for v in values))
+    if plot_path is not None:
+        print(f"  plot           {plot_demo(result, plot_path)}")
     if result.resume_exact:
         print(f"  resume         exact: steps {half}-{cfg.steps - 1} match bit for bit "
               f"({len(result.resumed_losses)} losses)")

@@ -73,6 +73,16 @@ def infer_num_gemms(members: Mapping[str, Any]) -> int | None:
     GroupedLinear (G). A 2-D ``weight`` or ``*_weight`` (``query_weight``, split Linear), or a
     ``layer_norm_weight`` without matrices (TE v0.1-v0.5 ``layernorm_qkv``, whose weights live on
     the attention module): Linear / LayerNormLinear (1). Anything else (norms, attention): None.
+
+    Example:
+        >>> import torch
+        >>> from fp8state.migrate import infer_num_gemms
+        >>> infer_num_gemms({"fc1_weight": torch.ones(64, 16), "fc2_weight": torch.ones(16, 64)})
+        2
+        >>> infer_num_gemms({"weight": torch.ones(16, 16), "bias": torch.ones(16)})
+        1
+        >>> infer_num_gemms({"weight": torch.ones(16)}) is None  # a norm
+        True
     """
     if _is_matrix(members.get("fc1_weight")) and _is_matrix(members.get("fc2_weight")):
         return 2
@@ -200,6 +210,23 @@ def convert_te_state_dict(
 
     Raises:
         UnsafeCheckpointError, LegacyFormatError, SchemaError: a bad entry (``strict=True``).
+
+    Example:
+        >>> import io, torch, fp8state
+        >>> from fp8state.migrate import convert_te_state_dict
+        >>> te_v1 = io.BytesIO()  # a te.Linear's extra state as TE v1.6-v1.13 saved it
+        >>> torch.save({
+        ...     "scale_fwd": torch.ones(3), "scale_inv_fwd": torch.ones(3),
+        ...     "amax_history_fwd": torch.zeros(1024, 3), "scale_bwd": torch.ones(2),
+        ...     "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(1024, 2),
+        ...     "extra_fp8_variables": {"num_gemms": 1},
+        ... }, te_v1)
+        >>> te_state = {"weight": torch.randn(16, 16), "_extra_state": te_v1}
+        >>> converted, report = convert_te_state_dict(te_state)
+        >>> report.counts(), converted["weight"] is te_state["weight"]
+        ({'converted': 1}, True)
+        >>> fp8state.Linear(16, 16, bias=False).load_state_dict(converted)
+        <All keys matched successfully>
     """
     report = rpt.MigrationReport("<state dict>", strict, [""])
     out = _convert(state_dict, strict=strict, where="", report=report, progress=progress,
@@ -262,6 +289,32 @@ def migrate_te_checkpoint(
 
     Raises:
         See :func:`load_te_checkpoint`.
+
+    Example:
+        A TE v1.x checkpoint of a ``te.Linear`` and a norm that never held FP8 state:
+
+        >>> import io, os, tempfile, torch
+        >>> from fp8state.migrate import migrate_te_checkpoint
+        >>> te_v1 = io.BytesIO()
+        >>> torch.save({
+        ...     "scale_fwd": torch.ones(3), "scale_inv_fwd": torch.ones(3),
+        ...     "amax_history_fwd": torch.zeros(1024, 3), "scale_bwd": torch.ones(2),
+        ...     "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(1024, 2),
+        ...     "extra_fp8_variables": {"num_gemms": 1},
+        ... }, te_v1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "te_model.pt")
+        >>> torch.save({"model": {"proj.weight": torch.randn(16, 16), "proj._extra_state": te_v1,
+        ...                       "norm.weight": torch.ones(16), "norm._extra_state": None},
+        ...             "step": 100}, path)
+        >>> checkpoint, report = migrate_te_checkpoint(path)
+        >>> for entry in report.entries:
+        ...     print(entry.action, entry.key, entry.era, entry.defaulted)
+        converted model/proj._extra_state E07 ('fp8_format', 'margin', 'amax_compute_algo')
+        dropped model/norm._extra_state E01-E03 ()
+        >>> print(report.summary().replace(path, "te_model.pt"))
+        te_model.pt: 2 extra states (1 converted, 1 dropped); 2 other tensors unchanged
+        >>> sorted(checkpoint["model"]), checkpoint["step"]
+        (['norm.weight', 'proj._extra_state', 'proj.weight'], 100)
     """
     return convert_read_checkpoint(read_checkpoint(source), strict=strict, progress=progress)
 
@@ -291,10 +344,23 @@ def load_te_checkpoint(
         SchemaError: an fp8state payload in the file is invalid.
 
     Example:
-        >>> import fp8state
+        >>> import io, os, tempfile, torch, fp8state
         >>> from fp8state.migrate import load_te_checkpoint
-        >>> sd = load_te_checkpoint("te_model.pt")  # doctest: +SKIP
-        >>> fp8state.Linear(64, 32).load_state_dict(sd)  # doctest: +SKIP
+        >>> te_v1 = io.BytesIO()  # a te.Linear's extra state as TE v1.6-v1.13 saved it
+        >>> torch.save({
+        ...     "scale_fwd": torch.full((3,), 2.0), "scale_inv_fwd": torch.full((3,), 0.5),
+        ...     "amax_history_fwd": torch.zeros(1024, 3), "scale_bwd": torch.ones(2),
+        ...     "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(1024, 2),
+        ...     "extra_fp8_variables": {"num_gemms": 1},
+        ... }, te_v1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "te_model.pt")
+        >>> torch.save({"weight": torch.randn(32, 64), "bias": torch.zeros(32),
+        ...             "_extra_state": te_v1}, path)
+        >>> layer = fp8state.Linear(64, 32)
+        >>> layer.load_state_dict(load_te_checkpoint(path))
+        <All keys matched successfully>
+        >>> layer.fp8_meta("fwd").scale.tolist()
+        [2.0, 2.0, 2.0]
     """
     checkpoint, report = migrate_te_checkpoint(path_or_file, strict=strict)
     failed = report.failed()

@@ -55,9 +55,36 @@ class DecodedExtraState:
 def decode_te_value(value: object, *, num_gemms: int | None = None) -> DecodedExtraState:
     """Decode ``value`` like :func:`decode_te_extra_state`, keeping the details.
 
+    Args:
+        value: A TE ``_extra_state`` value (see :func:`decode_te_extra_state`).
+        num_gemms: The loading module's GEMM count, or None to accept any.
+
+    Returns:
+        The payload (or None) with the era, container, recipe source, defaulted recipe fields
+        and the device tags found inside the value.
+
     Raises:
         UnsafeCheckpointError: pickled data names a global outside the allow-list.
         LegacyFormatError: see :func:`decode_te_extra_state`.
+
+    Example:
+        What TE v1.6-v1.13 saved for a ``te.Linear``, without the FP8 maxima that would name
+        the format:
+
+        >>> import io, torch
+        >>> from fp8state.migrate import decode_te_value
+        >>> te_v1 = io.BytesIO()
+        >>> torch.save({
+        ...     "scale_fwd": torch.ones(3), "scale_inv_fwd": torch.ones(3),
+        ...     "amax_history_fwd": torch.zeros(4, 3), "scale_bwd": torch.ones(2),
+        ...     "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(4, 2),
+        ...     "extra_fp8_variables": {"num_gemms": 1},
+        ... }, te_v1)
+        >>> decoded = decode_te_value(te_v1)
+        >>> decoded.era, decoded.container, decoded.num_gemms, decoded.rows
+        ('E07', 'BytesIO archive', 1, 4)
+        >>> decoded.recipe_source, decoded.defaulted
+        ('defaults', ('fp8_format', 'margin', 'amax_compute_algo'))
     """
     opened = open_container(value)
     state = decode_opened(opened)

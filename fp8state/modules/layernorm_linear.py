@@ -33,6 +33,16 @@ class LayerNormLinear(FP8StateMixin):
         params_dtype: dtype of the parameters.
         device: Device of parameters and FP8 metadata.
         return_layernorm_output: Also return the norm's output, as TE can.
+
+    Example:
+        >>> import torch, fp8state
+        >>> layer = fp8state.LayerNormLinear(32, 16, normalization="RMSNorm")
+        >>> list(layer.state_dict())  # an RMSNorm has no layer_norm_bias
+        ['layer_norm_weight', 'weight', 'bias', '_extra_state']
+        >>> with fp8state.fp8_autocast():
+        ...     y = layer(torch.randn(4, 32))
+        >>> y.shape, layer.fp8_num_gemms
+        (torch.Size([4, 16]), 1)
     """
 
     def __init__(

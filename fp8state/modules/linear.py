@@ -23,6 +23,19 @@ class Linear(FP8StateMixin):
         bias: Learn an additive bias.
         params_dtype: dtype of the parameters (default: ``torch.get_default_dtype()``).
         device: Device of parameters and FP8 metadata (``"meta"`` allowed).
+
+    Example:
+        >>> import torch, torch.nn.functional as F, fp8state
+        >>> layer, x = fp8state.Linear(32, 16), torch.randn(8, 32)
+        >>> torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # no autocast
+        True
+        >>> with fp8state.fp8_autocast():  # FP8; the step's scales update at exit
+        ...     y = layer(x)
+        >>> scale = layer.fp8_meta("fwd").scale  # slots: input, weight, output
+        >>> torch.equal(scale[0], torch.tensor(448.0) / x.abs().max())
+        True
+        >>> list(layer.state_dict())
+        ['weight', 'bias', '_extra_state']
     """
 
     def __init__(

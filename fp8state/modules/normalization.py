@@ -57,6 +57,14 @@ class LayerNorm(_Norm):
         eps: Added to the variance.
         params_dtype: dtype of the parameters.
         device: Device of the parameters.
+
+    Example:
+        >>> import torch, fp8state
+        >>> norm, x = fp8state.LayerNorm(32), torch.randn(4, 32)
+        >>> torch.equal(norm(x), torch.nn.LayerNorm(32)(x))
+        True
+        >>> list(norm.state_dict())  # no FP8 metadata: a norm runs no GEMM
+        ['weight', 'bias']
     """
 
     normalization = "LayerNorm"
@@ -70,6 +78,14 @@ class RMSNorm(_Norm):
         eps: Added to the mean square.
         params_dtype: dtype of the parameters.
         device: Device of the parameters.
+
+    Example:
+        >>> import torch, fp8state
+        >>> norm, x = fp8state.RMSNorm(32), torch.randn(4, 32)
+        >>> torch.equal(norm(x), torch.nn.RMSNorm(32, eps=1e-5)(x))
+        True
+        >>> list(norm.state_dict())
+        ['weight']
     """
 
     normalization = "RMSNorm"

@@ -1,0 +1,192 @@
+"""Which ``torch.nn`` modules :func:`fp8state.convert_model` swaps, and why it leaves the others.
+
+The rule is an exact type check: ``type(module) is nn.Linear`` (or ``nn.LayerNorm``,
+``nn.RMSNorm``). A subclass may compute something else with the same parameters (a LoRA layer's
+own ``forward``, a ``torch.nn.utils.parametrize`` class, an FSDP2 class), or its owner may use
+its weight without calling it at all (``nn.MultiheadAttention`` passes ``out_proj.weight``, a
+``NonDynamicallyQuantizableLinear``, to ``F.multi_head_attention_forward``). Swapping such a
+module would change what the model computes, or add FP8 metadata that never updates, so it is
+never swapped; the report says so.
+
+An instance of an exact type is still left alone, with a reason, when the swap cannot keep what
+it does: hooks or an instance-level ``forward`` (accelerate's dispatch hooks) would be dropped,
+sharded (DTensor) weights would lose their sharding, and shapes ``torch._scaled_mm`` cannot
+take would make every FP8 GEMM fall back to the slow emulation.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from fp8state.backends import _SCALED_MM_ALIGN
+
+__all__ = [
+    "SWAPPABLE",
+    "FP8_GEMM_DTYPES",
+    "is_candidate",
+    "is_swappable_type",
+    "type_name",
+    "subclass_reason",
+    "module_problems",
+    "pair_problems",
+]
+
+#: Exact types convert_model swaps, and what each becomes.
+SWAPPABLE: dict[type[nn.Module], str] = {
+    nn.Linear: "fp8state.Linear",
+    nn.LayerNorm: "fp8state.LayerNorm",
+    nn.RMSNorm: "fp8state.RMSNorm",
+}
+
+#: Parameter dtypes whose GEMM outputs ``torch._scaled_mm`` produces.
+FP8_GEMM_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+# Per-module hook tables of nn.Module; a swap would silently drop every entry in them.
+_HOOK_TABLES = (
+    ("_forward_pre_hooks", "forward pre-hooks"),
+    ("_forward_hooks", "forward hooks"),
+    ("_backward_pre_hooks", "backward pre-hooks"),
+    ("_backward_hooks", "backward hooks"),
+    ("_state_dict_pre_hooks", "state_dict pre-hooks"),
+    ("_state_dict_hooks", "state_dict hooks"),
+    ("_load_state_dict_pre_hooks", "load_state_dict pre-hooks"),
+    ("_load_state_dict_post_hooks", "load_state_dict post-hooks"),
+)
+
+
+def is_candidate(module: nn.Module) -> bool:
+    """True for ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm`` and their subclasses."""
+    return isinstance(module, tuple(SWAPPABLE))
+
+
+def is_swappable_type(module: nn.Module) -> bool:
+    """True when ``module``'s type is exactly one convert_model swaps."""
+    return type(module) in SWAPPABLE
+
+
+def type_name(module: nn.Module) -> str:
+    """``"torch.nn.Linear"`` for torch.nn's own classes, ``"package.module.Class"`` otherwise."""
+    cls = type(module)
+    if cls in SWAPPABLE or cls.__module__.startswith("torch.nn.modules."):
+        return f"torch.nn.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def subclass_reason(module: nn.Module) -> str:
+    """Why a subclass of a swappable type stays as it is."""
+    base = next(b for b in SWAPPABLE if isinstance(module, b))
+    return (
+        f"a subclass of torch.nn.{base.__name__}, never swapped: it may compute differently "
+        f"(its own forward), or its owner may use its weight without calling it "
+        f"(nn.MultiheadAttention's out_proj)"
+    )
+
+
+def _is_dtensor(value: object) -> bool:
+    # Importing torch.distributed.tensor costs half a second; no DTensor exists before it is.
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    return dtensor_module is not None and isinstance(value, dtensor_module.DTensor)
+
+
+def _instance_problems(module: nn.Module) -> list[str]:
+    problems = []
+    if "forward" in module.__dict__:
+        problems.append(
+            "its forward was replaced on the instance (accelerate's hooks do this); the swap "
+            "would drop the replacement"
+        )
+    for attr, label in _HOOK_TABLES:
+        table = getattr(module, attr, None)
+        if table:
+            problems.append(f"{len(table)} {label} registered on it; the swap would drop them")
+    for name, param in module._parameters.items():
+        if _is_dtensor(param):
+            problems.append(
+                f"its {name} is a DTensor (sharded); convert before fully_shard or "
+                f"parallelize_module"
+            )
+        elif param is not None and not isinstance(param, nn.Parameter):
+            problems.append(f"its {name} is a {type(param).__name__}, not an nn.Parameter")
+    return problems
+
+
+def _gemm_shape_problems(in_features: int, out_features: int) -> list[str]:
+    problems = []
+    for name, size in (("in_features", in_features), ("out_features", out_features)):
+        if size == 0 or size % _SCALED_MM_ALIGN:
+            problems.append(
+                f"{name}={size} is not a positive multiple of {_SCALED_MM_ALIGN} "
+                f"(torch._scaled_mm needs both GEMM dimensions to be; such a GEMM would run "
+                f"emulated, slower than high precision)"
+            )
+    return problems
+
+
+def _linear_problems(linear: nn.Linear) -> list[str]:
+    problems = _gemm_shape_problems(linear.in_features, linear.out_features)
+    dtype = str(linear.weight.dtype)
+    if dtype not in FP8_GEMM_DTYPES:
+        problems.append(
+            f"dtype {dtype}: FP8 GEMMs produce {', '.join(FP8_GEMM_DTYPES)} outputs"
+        )
+    return problems
+
+
+def _norm_problems(norm: nn.LayerNorm | nn.RMSNorm) -> list[str]:
+    kind = type(norm).__name__
+    problems = []
+    if len(norm.normalized_shape) != 1:
+        problems.append(
+            f"normalized_shape={tuple(norm.normalized_shape)}: fp8state.{kind} normalizes "
+            f"the last dimension only"
+        )
+    if norm.weight is None:
+        problems.append(
+            f"elementwise_affine=False: fp8state.{kind} always learns a weight"
+        )
+    if isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is None:
+        problems.append("bias=False: fp8state.LayerNorm always learns a bias")
+    if norm.eps is None:
+        problems.append(
+            "eps=None (an epsilon that depends on the input's dtype): fp8state.RMSNorm takes "
+            "a number; build the nn.RMSNorm with an explicit eps"
+        )
+    return problems
+
+
+def module_problems(module: nn.Module) -> list[str]:
+    """Every reason ``module`` (of a swappable type) cannot be swapped; empty when it can."""
+    problems = _instance_problems(module)
+    if isinstance(module, nn.Linear):
+        problems += _linear_problems(module)
+    elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        problems += _norm_problems(module)
+    return problems
+
+
+def pair_problems(norm: nn.Module, linear: nn.Module) -> list[str]:
+    """Why ``norm`` and ``linear`` cannot become one ``fp8state.LayerNormLinear``; empty if ok.
+
+    Both must be of a swappable type themselves; the norm must normalize exactly the linear
+    layer's input features.
+    """
+    problems = []
+    if not isinstance(norm, nn.LayerNorm | nn.RMSNorm) or not is_swappable_type(norm):
+        problems.append(
+            f"the norm is a {type_name(norm)}; expected exactly torch.nn.LayerNorm or "
+            f"torch.nn.RMSNorm"
+        )
+    if not isinstance(linear, nn.Linear) or not is_swappable_type(linear):
+        problems.append(f"the linear layer is a {type_name(linear)}; expected exactly "
+                        f"torch.nn.Linear")
+    if problems:
+        return problems
+    assert isinstance(norm, nn.LayerNorm | nn.RMSNorm) and isinstance(linear, nn.Linear)
+    if tuple(norm.normalized_shape) != (linear.in_features,):
+        problems.append(
+            f"the norm normalizes shape {tuple(norm.normalized_shape)}, the linear layer takes "
+            f"{linear.in_features} features"
+        )
+    return problems
