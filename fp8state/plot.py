@@ -97,7 +97,8 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
     _log_if_positive(loss_ax, result.losses + result.resumed_losses)
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("MSE loss")
-    loss_ax.legend(loc="lower left", fontsize="small")
+    # Upper right: the loss starts high on the left and settles low, so the corner stays clear.
+    loss_ax.legend(loc="upper right", fontsize="small")
 
     colors = ["tab:green", "tab:purple", "tab:brown", "tab:red", "tab:cyan", "tab:olive"]
     for i, (label, values) in enumerate(result.scale_trace.items()):
