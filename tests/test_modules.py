@@ -267,3 +267,11 @@ def test_functional_fp8_linear_checks_the_gemm_index() -> None:
                                F.linear(x, layer.weight, layer.bias), atol=0, rtol=0)
     with pytest.raises(ConfigError, match="gemm=1"):
         fp8_linear(layer, x, layer.weight, gemm=1)
+
+
+def test_repr_shows_sizes_like_torch_nn() -> None:
+    assert repr(fp8state.LayerNorm(8, eps=1e-6)) == "LayerNorm(8, eps=1e-06)"
+    assert "RMSNorm(8," in repr(fp8state.RMSNorm(8))
+    assert "in_features=16, out_features=32" in repr(fp8state.LayerNormLinear(16, 32))
+    text = repr(fp8state.LayerNormMLP(16, 32, activation="relu"))
+    assert "hidden_size=16, ffn_hidden_size=32" in text and "activation=relu" in text

@@ -2,8 +2,13 @@
 
 Reads the high-precision tensor once and writes the FP8 tensor, its transpose if asked (the
 layout FP8 GEMMs need for the other operand of backward), and ``max(|x|)`` over finite
-elements, max-combined into a float32 cell in place (the slot's history row 0), so no separate
-amax or transpose pass runs. Each program walks ``BLOCK_M`` whole rows and does one atomic.
+elements into the slot's history cell, so no separate amax or transpose pass runs. The same
+launch can also open a new step (shift the history down one row first), copy the slot's
+inverse scale for backward, sum the columns (a bias gradient), and cast GELU of the input or
+the input times GELU's derivative instead of the input itself (:data:`OPS`).
+
+Programs form a 2-D grid: ``BLOCK_M`` rows by a range of whole ``BLOCK_N`` column tiles each
+(:func:`default_config`), one atomic per program for the amax.
 """
 
 from __future__ import annotations

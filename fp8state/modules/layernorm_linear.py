@@ -90,3 +90,10 @@ class LayerNormLinear(FP8StateMixin):
             self, normed, self.weight, self.bias, 0, is_first_microbatch
         )
         return (out, normed) if self.return_layernorm_output else out
+
+    def extra_repr(self) -> str:
+        """Shapes and the norm, as ``nn.Linear`` and the norms print them."""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
+        )

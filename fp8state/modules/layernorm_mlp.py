@@ -136,3 +136,11 @@ class LayerNormMLP(FP8StateMixin):
             is_first_microbatch,
         )
         return (out, normed) if self.return_layernorm_output else out
+
+    def extra_repr(self) -> str:
+        """Sizes, norm and activation."""
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"bias={self.fc1_bias is not None}, normalization={self.normalization}, "
+            f"activation={self.activation}, eps={self.eps}"
+        )

@@ -48,6 +48,10 @@ class _Norm(nn.Module):
         """Normalize the last dimension of ``inp``."""
         return normalize(inp, self.normalization, self.weight, self._bias(), self.eps)
 
+    def extra_repr(self) -> str:
+        """Size and epsilon, as ``torch.nn``'s norms print them."""
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
 
 class LayerNorm(_Norm):
     """``nn.LayerNorm(hidden_size, eps)``; state-dict keys ``weight`` and ``bias``.
