@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fp8state.generation import bump_buffer_generation
 from fp8state.schema import DIRECTIONS, DirectionState, FP8State, pack, unpack
 
 if TYPE_CHECKING:
     from fp8state.mixin import FP8StateMixin
 
-__all__ = ["payload_of", "validate_for", "apply_to"]
+__all__ = ["payload_of", "validate_for", "apply_to", "ensure_rows", "reset"]
 
 _FIELDS = ("amax_history", "scale", "scale_inv")
 
@@ -93,6 +94,38 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
     module.fp8_recipe = state.recipe
     module._fp8_new_step = {d: True for d in DIRECTIONS}
     module.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
+
+
+@torch.no_grad()
+def ensure_rows(module: FP8StateMixin, rows: int, stacklevel: int = 2) -> None:
+    """Grow ``module``'s history buffers to ``rows`` rows (zeros appended), warning once."""
+    current = module.fp8_meta("fwd").amax_history.shape[0]
+    if rows <= current:
+        return
+    warnings.warn(
+        f"{type(module).__name__}: amax history grows from {current} to {rows} rows "
+        f"(recipe window or checkpoint longer than the buffer); no value is dropped.",
+        stacklevel=stacklevel,
+    )
+    for d in DIRECTIONS:
+        old = module.fp8_meta(d).amax_history
+        new = old.new_zeros(rows, old.shape[1])
+        new[:current] = old
+        setattr(module, f"fp8_{d}_amax_history", new)
+    bump_buffer_generation()
+
+
+@torch.no_grad()
+def reset(module: FP8StateMixin) -> None:
+    """Give ``module`` a freshly built module's metadata (zero histories, scales 1)."""
+    for direction in DIRECTIONS:
+        hist, scale, scale_inv = module.fp8_meta(direction)
+        hist.zero_()
+        scale.fill_(1.0)
+        scale_inv.fill_(1.0)
+    module._fp8_new_step = {d: True for d in DIRECTIONS}
+    module.fp8_weight_cache.clear()
+    module.__dict__["_fp8_mutations"] += 1
 
 
 def _onto(state: Any, device: torch.device) -> Any:

@@ -17,7 +17,6 @@ Load order: PyTorch's ``_load_from_state_dict`` copies parameters, then calls
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, cast
 
@@ -226,7 +225,31 @@ class FP8StateMixin(nn.Module):
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
+        if any(old is not None and old.is_meta and not cast(torch.Tensor, self._buffers[n]).is_meta
+               for n, old in before.items()):
+            # Materialized from meta (to_empty): the buffers hold whatever memory they got.
+            # Metadata has no values on meta; the only right content is a fresh module's.
+            meta_io.reset(self)
         return result
+
+    def fp8_reset_meta(self) -> None:
+        """Forget every recorded amax: zero histories, scales 1, as a freshly built module.
+
+        The recipe and the buffers' shapes and devices stay. ``to_empty()`` from the meta
+        device does this by itself; :func:`fp8state.recalibrate` also refills from data.
+
+        Example:
+            >>> import torch, fp8state
+            >>> layer = fp8state.Linear(16, 16)
+            >>> with fp8state.fp8_autocast():
+            ...     _ = layer(torch.randn(4, 16))
+            >>> layer.fp8_reset_meta()
+            >>> hist, scale, _ = layer.fp8_meta("fwd")
+            >>> float(hist.abs().sum()), float(scale[0])
+            (0.0, 1.0)
+        """
+        self._require_meta()
+        meta_io.reset(self)
 
     # ------------------------------------------------------------------ delayed scaling
     @torch.no_grad()
@@ -296,20 +319,9 @@ class FP8StateMixin(nn.Module):
 
     def _fp8_ensure_rows(self, rows: int) -> None:
         """Grow the history buffers to ``rows`` rows (zeros appended), warning once."""
-        current = self.fp8_meta("fwd").amax_history.shape[0]
-        if rows <= current:
-            return
-        warnings.warn(
-            f"{type(self).__name__}: amax history grows from {current} to {rows} rows "
-            f"(recipe window or checkpoint longer than the buffer); no value is dropped.",
-            stacklevel=3,
-        )
-        for d in DIRECTIONS:
-            old = self.fp8_meta(d).amax_history
-            new = old.new_zeros(rows, old.shape[1])
-            new[:current] = old
-            setattr(self, _buffer_name(d, "amax_history"), new)
-        bump_buffer_generation()
+        # 6: past meta_io, this method, the property setter and nn.Module.__setattr__ (two
+        # frames), to the assignment in the caller's code.
+        meta_io.ensure_rows(self, rows, stacklevel=6)
 
     # ------------------------------------------------------------------ checkpointing
     def get_extra_state(self) -> dict[str, torch.Tensor]:

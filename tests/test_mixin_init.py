@@ -216,3 +216,16 @@ def test_get_extra_state_values() -> None:
     assert scalars == {"fp8_format": 0, "margin": 2, "amax_history_len": 5, "amax_compute_algo": 1}
     assert all(p[k].dtype == torch.int64 and p[k].dim() == 0 for k in p if k.startswith("recipe"))
     assert p["fwd.amax_history"].shape == (9, 9) and p["bwd.amax_history"].shape == (9, 6)
+
+
+def test_history_growth_warning_points_at_the_assignment() -> None:
+    import warnings
+
+    import fp8state
+
+    layer = fp8state.Linear(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer.fp8_recipe = fp8state.DelayedScaling(amax_history_len=2048)
+    assert len(caught) == 1 and "grows from 1024 to 2048" in str(caught[0].message)
+    assert caught[0].filename == __file__
