@@ -124,6 +124,11 @@ def cast_slot(
             and scale_inv.is_contiguous():
         from fp8state.kernels import triton_cast
 
+        if new_step and torch.cuda.is_current_stream_capturing():
+            # The in-kernel shift coordinates through a scratch pair per stream that a CUDA
+            # graph would bake in; captured steps shift with plain tensor ops instead.
+            history.copy_(shift_history(history))
+            new_step = False
         return triton_cast.cast_slot(x_2d, scale, scale_inv, history, slot, fp8_dtype,
                                      transpose=transpose, new_step=new_step,
                                      column_sums=column_sums, op=op,

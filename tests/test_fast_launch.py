@@ -50,6 +50,21 @@ def fake_cuda(monkeypatch):
     return state
 
 
+def test_version_parsing() -> None:
+    assert _launch._version("3.6.0") == (3, 6, 0)
+    assert _launch._version("3.6.1+git1234") == (3, 6, 1)
+    assert _launch._version("3.7.0rc1")[:2] not in _launch._DIRECT_VERSIONS
+
+
+def test_pre_run_hooks_keep_tritons_path(fake_cuda) -> None:
+    jit = _Jit(_Compiled)
+    jit.pre_run_hooks = [print]
+    launcher = FastLauncher(jit)
+    for _ in range(2):
+        launcher("k", (1,), (), torch.device("cuda", 0))
+    assert [e[0] for e in jit.log] == ["jit", "jit"]
+
+
 def test_compiles_once_per_key_then_launches_directly(fake_cuda) -> None:
     jit = _Jit(_Compiled)
     launcher = FastLauncher(jit)

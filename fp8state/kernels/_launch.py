@@ -11,13 +11,15 @@ The caller's key must determine everything Triton specializes on: the dtypes and
 alignment of the pointer arguments, the constexpr values, ``num_warps``, and for integer
 arguments not listed in ``do_not_specialize`` whether they equal 1, are multiples of 16 and
 fit in 32 bits (:func:`int_spec`). The direct path is used only on the current CUDA device
-(a compiled kernel is loaded per device) and only when the installed Triton exposes the
-compiled-kernel interface this module was written against; otherwise every call goes through
-``kernel[grid]``, which is always correct.
+(a compiled kernel is loaded per device), only on the Triton versions whose launcher this was
+checked against (3.6), and only while no launch or pre-run hooks are installed; otherwise
+every call goes through ``kernel[grid]``, which is always correct. Debug and instrumentation
+settings are those of the first compile for a key.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -53,6 +55,19 @@ def raw_stream(index: int) -> int:
 
 
 _RUNTIME: list[Any] = []  # triton.knobs.runtime, once imported
+# Triton versions whose CompiledKernel.run takes (grid x3, stream, function, packed metadata,
+# launch metadata, enter hook, exit hook, *args), checked against their sources and run on an
+# H200; any other version launches through kernel[grid].
+_DIRECT_VERSIONS = {(3, 6)}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"3.6.1+git1234"`` -> ``(3, 6, 1)``: the leading digits of the first three fields."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        match = re.match(r"\d+", piece)
+        parts.append(int(match.group()) if match else 0)
+    return tuple(parts)
 
 
 class FastLauncher:
@@ -96,12 +111,18 @@ class FastLauncher:
         # anything else (another Triton version) turns the direct path off for good.
         if not _RUNTIME:
             try:
+                import triton
                 from triton import knobs
             except ImportError:  # a Triton without knobs: launch through kernel[grid] only
                 self._direct = False
                 return
+            if _version(triton.__version__)[:2] not in _DIRECT_VERSIONS:
+                self._direct = False  # the launcher's argument layout is version-specific
+                return
             _RUNTIME.append(knobs.runtime)
-        if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+        if getattr(self.kernel, "pre_run_hooks", None):
+            self._direct = False  # hooks that Triton runs before each launch: keep its path
+        elif all(hasattr(compiled, n) for n in ("run", "function", "packed_metadata")):
             self._compiled[(index, key)] = compiled
         else:
             self._direct = False

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from fp8state.errors import ConfigError
 from fp8state.kernels._launch import FastLauncher, int_spec, ptr_aligned, raw_stream
 
 __all__ = ["cast_transpose_amax", "cast_slot", "default_config", "OPS"]
@@ -54,29 +56,31 @@ _KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _tanh(u, FAST_TANH: tl.constexpr):
-    if FAST_TANH:
-        # The hardware's tanh (relative error about 2**-11): GELU's cast became compute-bound
-        # with exp and a division (1.9 TB/s transposed, benchmarks/profile_linear.py). The
-        # error is far below an FP8 step, and below the bf16 rounding of GELU's output that
-        # the per-GEMM path quantizes from.
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+def _sigmoid_2u(u, FAST_DIV: tl.constexpr):
+    """``sigmoid(2u) = (1 + tanh(u)) / 2``, without tanh's cancellation near -1.
+
+    GELU (tanh form) is ``x * sigmoid(2u)``: written with ``1 + tanh(u)`` it loses all
+    relative precision for negative inputs (at x = -3.5 the sum is 3.5e-4), and a hardware
+    tanh's absolute error (about 2**-11 * |t|) would be larger than GELU itself there. exp and
+    a fast reciprocal keep about 1e-6 relative error everywhere, and 0 and 1 in the limits
+    (``1 / inf`` is 0). The exact IEEE division made the cast compute-bound (1.9 TB/s).
+    """
+    denominator = 1.0 + tl.exp(-2.0 * u)
+    if FAST_DIV:
+        return libdevice.fast_dividef(1.0, denominator)
     else:
-        # 1 - 2 / (exp(2u) + 1): exactly +-1 in the limits, never inf / inf.
-        return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        return 1.0 / denominator
 
 
 @triton.jit
-def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_TANH: tl.constexpr):
+def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_DIV: tl.constexpr):
     if OP == 1:
-        t = _tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x), FAST_TANH)
-        x = 0.5 * x * (1.0 + t)
+        x = x * _sigmoid_2u(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x), FAST_DIV)
     elif OP == 2:
         h = tl.load(aux_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        t = _tanh(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h), FAST_TANH)
-        slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-            1.0 + 3.0 * _KAPPA * h * h)
+        s = _sigmoid_2u(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h), FAST_DIV)
+        # d/dh [h * sigmoid(2u(h))] = s + 2 h s (1 - s) u'(h)
+        slope = s + 2.0 * h * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _KAPPA * h * h)
         x = x * slope
     return x
 
@@ -87,7 +91,7 @@ def _cast_kernel(
     colsum_ptr, slot, n_slots, hist_rows, M, N, cols_per_program, fp8_max,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
     SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr, SLOTS: tl.constexpr,
-    CHUNK: tl.constexpr, OP: tl.constexpr, FAST_TANH: tl.constexpr,
+    CHUNK: tl.constexpr, OP: tl.constexpr, FAST_DIV: tl.constexpr,
 ):
     # Program (pid_m, pid_n): BLOCK_M rows, a range of whole BLOCK_N column tiles.
     # cols_per_program is a multiple of BLOCK_N and specialized (Triton then knows each tile
@@ -104,7 +108,7 @@ def _cast_kernel(
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         offsets = rows[:, None] * N + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-        x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_TANH)
+        x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
         if COLSUM:  # per-row-block column sums: a bias gradient without another pass
             tl.store(colsum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
         ax = tl.abs(x)
@@ -218,6 +222,10 @@ def cast_slot(
         ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``; the snapshot
         is a 1-element copy of ``scale_inv[slot]`` as it was when the cast ran.
     """
+    if op not in OPS or (op == "dgelu") != (aux is not None):
+        raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
+                          "'identity' or 'gelu' without aux, 'dgelu' with aux",
+                          "Pass one of the supported ops (this is a bug in the caller).")
     return _launch(x_2d, scale, scale_inv, history, slot, history.shape[-1], fp8_dtype,
                    transpose, snapshot=True, new_step=new_step, column_sums=column_sums,
                    op=op, aux=aux)
@@ -227,8 +235,8 @@ def cast_slot(
 # one after another, and each launch leaves its pair zeroed for the next.
 _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(_cast_kernel)
-# tanh.approx is PTX: NVIDIA GPUs only (ROCm builds of torch also report "cuda" devices).
-_FAST_TANH = torch.version.hip is None
+# libdevice's fast division is NVIDIA's (ROCm builds of torch also report "cuda" devices).
+_FAST_DIV = torch.version.hip is None
 _FP8_MAX = {dtype: float(torch.finfo(dtype).max)
             for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -281,7 +289,7 @@ def _launch(
         x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, partial, slot,
         n_slots, rows, m, n, cols_per_program, _FP8_MAX[fp8_dtype], block_m, block_n,
         transpose, snapshot, new_step, column_sums, slots_block, max(1, 2048 // slots_block),
-        code, _FAST_TANH,
+        code, _FAST_DIV,
     ), device, num_warps=warps)
     return (out, (out_t if transpose else None), inv_out,
             partial.sum(0) if column_sums else None)

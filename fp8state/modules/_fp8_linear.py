@@ -18,6 +18,7 @@ from typing import Any
 import einops
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
@@ -154,6 +155,7 @@ class _FP8Linear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # FP8 casts have no useful derivative: a clear error for 2nd order
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv = ctx.saved_tensors
         module: FP8StateMixin = ctx.module

@@ -66,8 +66,10 @@ class LayerNormMLP(FP8StateMixin):
 
     #: With ``activation="gelu"`` under ``fp8_autocast``, compute GELU and its derivative
     #: inside the FP8 casts (fp8state/modules/_fp8_mlp.py): less memory traffic and no
-    #: high-precision activation or activation gradient in memory. False runs fc1, GELU and
-    #: fc2 as separate steps (the same slots and, for float32 inputs, the same numbers).
+    #: high-precision activation or activation gradient in memory, but one backward per
+    #: forward (as TE: a second backward through the same graph is an error). False runs fc1,
+    #: GELU and fc2 as separate steps: the same slots, and for float32 inputs the same numbers
+    #: on the emulated path (on GPUs GELU's float32 rounding may differ).
     fp8_fuse_activation: bool = True
 
     def __init__(
