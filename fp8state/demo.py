@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fp8state.autocast import fp8_autocast
+from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNormMLP, Linear
 from fp8state.recipe import DelayedScaling
@@ -140,12 +141,47 @@ class ScaleTrace:
             self.values[label].append(value)
 
 
+def _usable_device(option: str, spec: str) -> torch.device:
+    """``spec`` as a device, checked to be one this machine can run the demo on."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(option, repr(spec), "a device name such as cpu, cuda or cuda:1",
+                          f"Pass {option} cpu, or leave {option} out for the default.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(option, f"{spec} (device type {device.type})", "cpu or cuda[:N]",
+                          f"The demo runs on the CPU or an NVIDIA GPU: pass {option} cpu.")
+    if device.type == "cpu":
+        return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+               else "torch.cuda.is_available() is False (no GPU visible)")
+        raise ConfigError(
+            option, f"{spec}, but {why}", "a device this machine has: cpu",
+            f"Pass {option} cpu, or leave {option} out for the default (a GPU only if there "
+            "is one).",
+        )
+    if (device.index or 0) >= count:
+        raise ConfigError(option, f"{spec}, but this machine has {count} GPU(s)",
+                          f"cuda:0 to cuda:{count - 1}, or cpu", f"Pass one of those as {option}.")
+    return device
+
+
 def pick_devices(device: str | None = None, resume_device: str | None = None
                  ) -> tuple[torch.device, torch.device]:
-    """Training device (a GPU when there is one) and resume device (another GPU if any)."""
-    train = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    """Training device (a GPU when there is one) and resume device (another GPU if any).
+
+    Raises:
+        ConfigError: ``device`` or ``resume_device`` (the ``--device`` and ``--resume-device``
+            options) is not a device name, neither cpu nor cuda, or a GPU this machine lacks.
+    """
+    if device is not None:
+        train = _usable_device("--device", device)
+    else:
+        train = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if resume_device is not None:
-        return train, torch.device(resume_device)
+        return train, _usable_device("--resume-device", resume_device)
     if train.type == "cuda" and torch.cuda.device_count() > 1:
         index = train.index or 0
         return train, torch.device(f"cuda:{(index + 1) % torch.cuda.device_count()}")
@@ -189,14 +225,29 @@ def run_demo(
     device: torch.device,
     resume_device: torch.device,
     progress: Callable[[int, float], None] | None = None,
+    on_phase: Callable[[str, range], None] | None = None,
 ) -> DemoResult:
-    """Train ``cfg.steps`` steps with a checkpoint half-way, resume it, and compare."""
+    """Train ``cfg.steps`` steps with a checkpoint half-way, resume it, and compare.
+
+    Args:
+        cfg: Sizes and schedule.
+        device: Device of the uninterrupted run.
+        resume_device: Device of the model resumed from the checkpoint.
+        progress: Called as ``progress(step, loss)`` after every step of both runs.
+        on_phase: Called as ``on_phase(name, steps)`` before each run: ``("train",
+            range(0, cfg.steps))``, then ``("resume", range(cfg.steps // 2, cfg.steps))``.
+
+    Returns:
+        The losses, traced scales and timings of both runs.
+    """
     half = cfg.steps // 2
     model, opt = build(cfg, device)
     trace = ScaleTrace(model)
     on_step = _recording(trace, progress)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "checkpoint.pt")
+        if on_phase is not None:
+            on_phase("train", range(cfg.steps))
         start = time.perf_counter()
         losses = train_steps(model, opt, cfg, range(half), device, on_step)
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
@@ -209,6 +260,8 @@ def run_demo(
         fresh.load_state_dict(ckpt["model"])
         fresh_opt.load_state_dict(ckpt["optimizer"])
         resumed_trace = ScaleTrace(fresh)
+        if on_phase is not None:
+            on_phase("resume", range(half, cfg.steps))
         resumed = train_steps(fresh, fresh_opt, cfg, range(half, cfg.steps), resume_device,
                               _recording(resumed_trace, progress))
         size = os.path.getsize(path)

@@ -17,7 +17,7 @@ from fp8state.errors import ConfigError
 if TYPE_CHECKING:
     from fp8state.demo import DemoResult
 
-__all__ = ["require_matplotlib", "check_plot_path", "plot_demo", "PLOT_EXTRA"]
+__all__ = ["require_matplotlib", "check_plot_path", "plot_demo", "demo_figure", "PLOT_EXTRA"]
 
 #: What to install for plotting.
 PLOT_EXTRA = "pip install 'fp8state[plot]'"
@@ -64,7 +64,8 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
 
     Left: the loss per step of the uninterrupted run and of the run resumed from the
     checkpoint (they overlap where the resume is exact). Right: the scale of each slot of
-    :data:`fp8state.demo.TRACED_SLOTS` after every step, in both runs. The file is written
+    :data:`fp8state.demo.TRACED_SLOTS` after every step, in both runs. In both panels a dotted
+    line, named in the legend, marks the checkpoint. The file is written
     next to ``path`` and renamed into place, so ``path`` is never half-written.
 
     Args:
@@ -78,6 +79,26 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
         ConfigError: matplotlib is missing, or ``path`` cannot be a new file.
     """
     target = check_plot_path(path)
+    fig = demo_figure(result)
+    # Written beside the target, then renamed: an interrupted run leaves no broken PNG.
+    fd, tmp = tempfile.mkstemp(prefix=".fp8state-plot-", suffix=".png", dir=target.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+def demo_figure(result: DemoResult) -> Any:
+    """The figure :func:`plot_demo` writes, as a ``matplotlib.figure.Figure`` on an Agg canvas.
+
+    Raises:
+        ConfigError: matplotlib is missing.
+    """
+    require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -115,22 +136,17 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
 
     fig.suptitle(f"fp8state demo: train {result.train_device}, resume {result.resume_device}, "
                  f"GEMM backend {result.backend}")
-    # Written beside the target, then renamed: an interrupted run leaves no broken PNG.
-    fd, tmp = tempfile.mkstemp(prefix=".fp8state-plot-", suffix=".png", dir=target.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return target
+    return fig
 
 
 def _mark_checkpoint(ax: Any, step: int) -> None:
-    ax.axvline(step, color="gray", lw=0.8, ls=":")
-    ax.annotate("checkpoint", (step, 1), xycoords=("data", "axes fraction"),
-                xytext=(3, -12), textcoords="offset points", fontsize="small", color="gray")
+    """A dotted line at the checkpoint, named in the panel's legend.
+
+    In the legend, not as text beside the line: the checkpoint is half-way, which the loss
+    panel's upper-right legend reaches in a short run, and floating text there would sit
+    under it. Call before ``ax.legend``.
+    """
+    ax.axvline(step, color="gray", lw=0.8, ls=":", label=f"checkpoint (step {step})")
 
 
 def _log_if_positive(ax: Any, values: list[float]) -> None:

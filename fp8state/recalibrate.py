@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fp8state import autocast
+from fp8state._recalibrate_batches import forward_batch
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.recipe import DelayedScaling
@@ -128,7 +129,9 @@ def _check_arguments(model: Any, batches: Any, num_batches: int | None, forward_
             f"no FP8 module among its {len(list(model.modules()))} modules",
             "at least one fp8state module (Linear, LayerNormLinear, LayerNormMLP or an "
             "FP8StateMixin subclass)",
-            "Build the model from fp8state modules; plain torch.nn layers hold no FP8 scales.",
+            "Build the model from fp8state modules or convert it with "
+            "fp8state.convert_model(model); plain torch.nn layers hold no FP8 scales. "
+            "fp8state.plan_conversion(model) shows why a layer stays in high precision.",
         )
     if isinstance(batches, (torch.Tensor, str, bytes)) or not isinstance(batches, Iterable):
         raise ConfigError(
@@ -163,23 +166,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _forward(module: nn.Module, batch: Any, forward_fn: Callable[[nn.Module, Any], Any] | None
-             ) -> Any:
-    if forward_fn is not None:
-        return forward_fn(module, batch)
-    if isinstance(batch, torch.Tensor):
-        return module(batch)
-    if isinstance(batch, Mapping):
-        return module(**batch)
-    if isinstance(batch, (tuple, list)):
-        return module(*batch)
-    raise ConfigError(
-        f"{_WHERE}(batches=...)", f"a batch of type {type(batch).__name__}",
-        "a tensor, a tuple/list of positional arguments or a dict of keyword arguments",
-        "Pass forward_fn=lambda model, batch: model(...) to say how a batch reaches the model.",
-    )
-
-
 _SavedBuffer = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 
 
@@ -210,7 +196,7 @@ def _backward_pass(run: nn.Module, batch: Any, forward_fn: Any, loss_fn: Any,
     """One FP8 forward and backward; gradients are computed and dropped, ``.grad`` untouched."""
     with torch.enable_grad():
         with autocast.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group):
-            out = _forward(run, batch, forward_fn)
+            out = forward_batch(run, batch, forward_fn)
         loss = loss_fn(out, batch)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
             found = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
@@ -263,8 +249,10 @@ def recalibrate(
         model: A model holding fp8state modules (a ``DistributedDataParallel`` wrapper is
             looked through).
         batches: Iterable of inputs: a tensor is passed as ``model(x)``, a tuple or list as
-            ``model(*b)``, a dict as ``model(**b)``; anything else needs ``forward_fn``. With
-            ``loss_fn`` the batches are kept in memory to run twice.
+            ``model(*b)``, a dict as ``model(**b)``; anything else needs ``forward_fn``, and
+            so do ``(input, target)`` pairs, as a ``DataLoader`` over a
+            ``TensorDataset(x, y)`` yields. With ``loss_fn`` the batches are kept in memory to
+            run twice.
         fp8_recipe: The recipe to calibrate for (the one training will use); it becomes each
             calibrated module's ``fp8_recipe``. Default: the recipe the modules already carry
             (they must agree).
@@ -286,9 +274,10 @@ def recalibrate(
 
     Raises:
         ConfigError: no FP8 module in ``model``; no batch; a batch the model cannot take
-            without ``forward_fn``; ``loss_fn`` returned no differentiable scalar; called inside
-            ``fp8_autocast``; modules with different recipes and no ``fp8_recipe``. The model
-            is unchanged.
+            without ``forward_fn`` (also a tuple, list or dict batch the model raised
+            ``TypeError`` for, chained to it); ``loss_fn`` returned no differentiable scalar;
+            called inside ``fp8_autocast``; modules with different recipes and no
+            ``fp8_recipe``. The model is unchanged.
 
     Example:
         >>> import torch, fp8state
@@ -365,7 +354,7 @@ def _calibrate(run: nn.Module, modules: dict[str, FP8StateMixin], batches: Itera
     with torch.no_grad(), autocast.fp8_autocast(enabled=False, calibrating=True,
                                                 fp8_recipe=recipe, fp8_group=group):
         for batch in batches:
-            _forward(run, batch, forward_fn)
+            forward_batch(run, batch, forward_fn)
             count += 1
             if loss_fn is not None:
                 kept.append(batch)

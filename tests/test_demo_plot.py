@@ -12,7 +12,7 @@ import torch
 from fp8state.cli import main
 from fp8state.demo import TRACED_SLOTS, DemoConfig, build, run_demo, train_steps
 from fp8state.errors import ConfigError
-from fp8state.plot import plot_demo
+from fp8state.plot import demo_figure, plot_demo
 
 CPU = torch.device("cpu")
 SMALL = DemoConfig(steps=6, hidden=16, ffn=32, blocks=1, batch=8)
@@ -94,3 +94,19 @@ def test_cli_without_matplotlib_fails_at_once_with_the_install_line(
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "pip install 'fp8state[plot]'" in lines[0]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_checkpoint_is_named_in_each_legend_not_under_it(result) -> None:
+    fig = demo_figure(result)
+    fig.canvas.draw()
+    half = result.checkpoint_step
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        entries = [t.get_text() for t in legend.get_texts()]
+        assert f"checkpoint (step {half})" in entries
+        (line,) = [h for h in legend.legend_handles if h.get_label().startswith("checkpoint")]
+        assert line.get_linestyle() == ":"
+        # The marked line is at the checkpoint; no loose text a legend could cover.
+        (marker,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("checkpoint")]
+        assert list(marker.get_xdata()) == [half, half]
+        assert not ax.texts

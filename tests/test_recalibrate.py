@@ -271,8 +271,67 @@ def test_checkpoint_after_recalibration_holds_the_new_scales() -> None:
 
 
 def test_a_model_without_fp8_modules_is_an_error() -> None:
-    with pytest.raises(ConfigError, match=r"recalibrate\(model=Sequential\).*no FP8 module"):
+    with pytest.raises(ConfigError, match=r"recalibrate\(model=Sequential\).*no FP8 module"
+                       ) as caught:
         fp8state.recalibrate(nn.Sequential(nn.Linear(H, H)), _batches(1, seed=0))
+    assert "fp8state.convert_model(model)" in caught.value.fix
+    assert "fp8state.plan_conversion(model)" in caught.value.fix
+
+
+class _OneInput(nn.Module):
+    """``forward(x)``: a model a DataLoader of ``(input, target)`` pairs does not fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = fp8state.Linear(H, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_input_target_pairs_from_a_dataloader_name_forward_fn() -> None:
+    x, y = torch.randn(8, H), torch.randn(8, OUT)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model = _OneInput()
+    _train(model, 2, scale=5.0, recipe=fp8state.DelayedScaling(amax_history_len=16))
+    before = _fp8_state(model)
+    with pytest.raises(ConfigError) as caught:
+        fp8state.recalibrate(model, loader)
+    err = caught.value
+    assert err.key == "recalibrate(batches=...)"
+    assert "_OneInput.forward" in err.found and "list of 2 items as model(*batch)" in err.found
+    assert "takes 2 positional arguments but 3 were given" in err.found
+    assert "forward_fn=lambda model, batch: model(batch[0])" in err.fix
+    assert isinstance(err.__cause__, TypeError)
+    _assert_same_state(before, _fp8_state(model))
+    # The fix the message gives works on the same loader.
+    report = fp8state.recalibrate(model, loader, forward_fn=lambda m, b: m(b[0]))
+    assert report.batches == 2 and model.lin.fp8_meta("fwd").amax_history[0, 0] == x.abs().max()
+
+
+def test_a_dict_batch_the_model_cannot_take_names_its_keys() -> None:
+    model = _OneInput()
+    before = _fp8_state(model)
+    batch = {"input": torch.randn(2, H), "label": torch.randn(2, OUT)}
+    with pytest.raises(ConfigError, match=r"dict with keys \['input', 'label'\] as "
+                                          r"model\(\*\*batch\)") as caught:
+        fp8state.recalibrate(model, [batch], loss_fn=lambda out, b: out.sum())
+    assert "model(batch['input'])" in caught.value.fix
+    assert isinstance(caught.value.__cause__, TypeError)
+    _assert_same_state(before, _fp8_state(model))
+
+
+def test_a_type_error_for_a_single_tensor_batch_is_the_model_s_own() -> None:
+    class Broken(_OneInput):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise TypeError("a bug inside the model")
+
+    model = Broken()
+    before = _fp8_state(model)
+    with pytest.raises(TypeError, match="a bug inside the model") as caught:
+        fp8state.recalibrate(model, _batches(1, seed=0))
+    assert not isinstance(caught.value, ConfigError)
+    _assert_same_state(before, _fp8_state(model))
 
 
 @pytest.mark.parametrize("batches", [[], iter(()), (b for b in [])], ids=["list", "iter", "gen"])

@@ -26,12 +26,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume-device", default=None,
         help="device of the resumed model (default: another GPU if there is one)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="show or hide the progress bars on stderr (default: shown only when stderr is a "
+             "terminal, so logs and pipes get no carriage-return updates)",
+    )
     parser.add_argument(
         "--plot", metavar="PATH", default=None,
         help="also write a PNG of both loss curves and the scales of a few FP8 slots per step "
              "(needs matplotlib: pip install 'fp8state[plot]')",
     )
+
+
+class _PhaseBars:
+    """One progress bar per run of the demo, each counting that run's steps.
+
+    The uninterrupted run counts ``--steps`` steps; the run resumed from the checkpoint counts
+    the second half again, on a bar of its own labelled as such.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._bar: tqdm[None] | None = None
+
+    def start(self, phase: str, steps: range) -> None:
+        """Close the previous bar and open one for ``steps`` of ``phase``."""
+        self.close()
+        label = {"train": "train", "resume": "resumed from checkpoint"}.get(phase, phase)
+        self._bar = tqdm(total=len(steps), unit="step", disable=not self._enabled,
+                         desc=f"{label}, steps {steps.start}-{steps.stop - 1}")
+
+    def step(self, step: int, loss: float) -> None:
+        """Count one step of the current run."""
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        """Close the current bar, if any."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,13 +78,12 @@ def run(args: argparse.Namespace) -> int:
     plot_path = check_plot_path(args.plot) if args.plot is not None else None
     cfg = DemoConfig(steps=args.steps, seed=args.seed)
     device, resume_device = pick_devices(args.device, args.resume_device)
-    total = cfg.steps + cfg.steps // 2
-    with tqdm(total=total, desc="fp8state demo", unit="step", disable=args.no_progress) as bar:
-        def progress(step: int, loss: float) -> None:
-            bar.set_postfix(loss=f"{loss:.4f}")
-            bar.update(1)
-
-        result = run_demo(cfg, device, resume_device, progress)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    bars = _PhaseBars(enabled=show)
+    try:
+        result = run_demo(cfg, device, resume_device, bars.step, bars.start)
+    finally:
+        bars.close()
     half = cfg.steps // 2
     print("fp8state demo summary")
     print(f"  devices        train {result.train_device}, resume {result.resume_device}")
