@@ -30,7 +30,7 @@ __all__ = [
     "type_name",
     "subclass_reason",
     "module_problems",
-    "pair_problems",
+    "pair_problem",
 ]
 
 #: Exact types convert_model swaps, and what each becomes.
@@ -113,15 +113,18 @@ def _instance_problems(module: nn.Module) -> list[str]:
 
 
 def _gemm_shape_problems(in_features: int, out_features: int) -> list[str]:
-    problems = []
-    for name, size in (("in_features", in_features), ("out_features", out_features)):
-        if size == 0 or size % _SCALED_MM_ALIGN:
-            problems.append(
-                f"{name}={size} is not a positive multiple of {_SCALED_MM_ALIGN} "
-                f"(torch._scaled_mm needs both GEMM dimensions to be; such a GEMM would run "
-                f"emulated, slower than high precision)"
-            )
-    return problems
+    """One reason for all the GEMM dimensions ``torch._scaled_mm`` cannot take (or none)."""
+    odd = [f"{name}={size}"
+           for name, size in (("in_features", in_features), ("out_features", out_features))
+           if size == 0 or size % _SCALED_MM_ALIGN]
+    if not odd:
+        return []
+    what = (f"{odd[0]} is not a positive multiple" if len(odd) == 1
+            else f"{' and '.join(odd)} are not positive multiples")
+    return [
+        f"{what} of {_SCALED_MM_ALIGN} (torch._scaled_mm needs both GEMM dimensions to be; "
+        f"such a GEMM would run emulated, slower than high precision)"
+    ]
 
 
 def _linear_problems(linear: nn.Linear) -> list[str]:
@@ -166,27 +169,38 @@ def module_problems(module: nn.Module) -> list[str]:
     return problems
 
 
-def pair_problems(norm: nn.Module, linear: nn.Module) -> list[str]:
-    """Why ``norm`` and ``linear`` cannot become one ``fp8state.LayerNormLinear``; empty if ok.
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm | nn.RMSNorm) and is_swappable_type(module)
 
-    Both must be of a swappable type themselves; the norm must normalize exactly the linear
-    layer's input features.
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and is_swappable_type(module)
+
+
+def pair_problem(
+    norm: nn.Module, linear: nn.Module, norm_name: str = "", linear_name: str = ""
+) -> str | None:
+    """Why ``norm`` and ``linear`` cannot become one ``fp8state.LayerNormLinear``, or None.
+
+    Both must be of a swappable type themselves (exactly ``nn.LayerNorm`` / ``nn.RMSNorm``,
+    then exactly ``nn.Linear``); the norm must normalize exactly the linear layer's input
+    features. The reason is one sentence naming both modules (by ``norm_name`` and
+    ``linear_name`` when given) and their types.
     """
-    problems = []
-    if not isinstance(norm, nn.LayerNorm | nn.RMSNorm) or not is_swappable_type(norm):
-        problems.append(
-            f"the norm is a {type_name(norm)}; expected exactly torch.nn.LayerNorm or "
-            f"torch.nn.RMSNorm"
+    norm_label = f"the norm {norm_name!r}" if norm_name else "the norm"
+    linear_label = f"the linear layer {linear_name!r}" if linear_name else "the linear layer"
+    if not (_is_norm(norm) and _is_linear(linear)):
+        swapped = _is_linear(norm) and _is_norm(linear)
+        return (
+            f"{norm_label} is a {type_name(norm)} and {linear_label} is a "
+            f"{type_name(linear)}"
+            + (" (the two names look swapped: the norm comes first)" if swapped else "")
         )
-    if not isinstance(linear, nn.Linear) or not is_swappable_type(linear):
-        problems.append(f"the linear layer is a {type_name(linear)}; expected exactly "
-                        f"torch.nn.Linear")
-    if problems:
-        return problems
     assert isinstance(norm, nn.LayerNorm | nn.RMSNorm) and isinstance(linear, nn.Linear)
     if tuple(norm.normalized_shape) != (linear.in_features,):
-        problems.append(
-            f"the norm normalizes shape {tuple(norm.normalized_shape)}, the linear layer takes "
+        return (
+            f"{norm_label} ({type_name(norm)}) normalizes shape "
+            f"{tuple(norm.normalized_shape)}, but {linear_label} ({type_name(linear)}) takes "
             f"{linear.in_features} features"
         )
-    return problems
+    return None

@@ -10,6 +10,7 @@ module, without changing anything. The rules (exact types only, and why) are in
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,12 +59,8 @@ def _check_arguments(
             "convert_model(model)", f"a {type(model).__name__}", "a torch.nn.Module",
             "Pass the model itself.",
         )
-    if module_filter_fn is not None and not callable(module_filter_fn):
-        raise ConfigError(
-            "module_filter_fn", f"a {type(module_filter_fn).__name__}",
-            "a callable (module, name) -> bool, or None",
-            "Pass a function such as lambda module, name: not name.startswith('head').",
-        )
+    if module_filter_fn is not None:
+        _check_filter(module_filter_fn)
     if isinstance(layernorm_linear, str) or not isinstance(layernorm_linear, Iterable):
         raise ConfigError(
             "layernorm_linear", repr(layernorm_linear), "an iterable of (norm, linear) names",
@@ -78,6 +75,29 @@ def _check_arguments(
                 "Name each pair as two strings, as model.named_modules() spells them.",
             )
     return [(str(a), str(b)) for a, b in pairs]
+
+
+def _check_filter(module_filter_fn: object) -> None:
+    """A ConfigError unless ``module_filter_fn`` can be called as ``fn(module, fqn)``."""
+    fix = "Pass a function such as lambda module, fqn: not fqn.startswith('head')."
+    if not callable(module_filter_fn):
+        raise ConfigError(
+            "module_filter_fn", f"a {type(module_filter_fn).__name__}",
+            "a callable fn(module, fqn) -> bool, or None", fix,
+        )
+    try:
+        signature = inspect.signature(module_filter_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return
+    try:
+        signature.bind(nn.Identity(), "name")
+    except TypeError:
+        name = getattr(module_filter_fn, "__qualname__", type(module_filter_fn).__name__)
+        raise ConfigError(
+            "module_filter_fn", f"{name}{signature}, which cannot take (module, fqn)",
+            "a callable fn(module, fqn) -> bool: the module, then its name as "
+            "model.named_modules() spells it", fix,
+        ) from None
 
 
 def _named_pairs(
@@ -95,11 +115,15 @@ def _named_pairs(
                     f"({norm_name!r}, {linear_name!r}) against print(model).",
                 )
         norm, linear = lookup[norm_name], lookup[linear_name]
-        problems = rules.pair_problems(norm, linear)
-        if problems:
+        problem = rules.pair_problem(norm, linear, norm_name, linear_name)
+        if problem is not None:
+            swapped = rules.pair_problem(linear, norm) is None
             raise ConversionError(
-                f"({norm_name}, {linear_name})", "; ".join(problems),
-                "an nn.LayerNorm or nn.RMSNorm whose output feeds this nn.Linear",
+                f"({norm_name}, {linear_name})", problem,
+                "a (norm name, linear name) pair: exactly an nn.LayerNorm or nn.RMSNorm, then "
+                "exactly the nn.Linear its output feeds, normalizing its input features",
+                f"Name the norm first: layernorm_linear=[({linear_name!r}, {norm_name!r})]."
+                if swapped else
                 "Name only norm -> linear pairs of matching size in layernorm_linear.",
             )
         for name, module in ((norm_name, norm), (linear_name, linear)):
@@ -125,7 +149,7 @@ def _sequential_pairs(model: nn.Module, taken: set[int]) -> list[_Pair]:
         for (n_key, norm), (l_key, linear) in zip(children, children[1:], strict=False):
             if norm is None or linear is None or id(norm) in taken or id(linear) in taken:
                 continue
-            if rules.pair_problems(norm, linear):
+            if rules.pair_problem(norm, linear) is not None:
                 continue
             prefix = f"{seq_name}." if seq_name else ""
             pairs.append(_Pair(prefix + n_key, prefix + l_key, norm, linear))
@@ -208,6 +232,29 @@ def _plan(
     return plan
 
 
+def _unsupported_error(report: ConversionReport) -> ConversionError:
+    """``on_unsupported="raise"``: each module (or pair) by name first, then its reason."""
+    failed = [(d.name, f"a {d.module_type} that cannot be converted: {d.reason}")
+              for d in report if d.action == "unsupported"]
+    failed += [(f"({p.norm}, {p.linear})", f"a pair that cannot be fused: {p.reason}")
+               for p in report.pairs if not p.fused and not p.filtered]
+    names = [name for name, _ in failed]
+    key = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    if len(failed) == 1:
+        found = failed[0][1]
+    else:
+        found = f"{len(failed)} modules or pairs that cannot be converted"
+    err = ConversionError(
+        key, found, "modules fp8state's FP8 modules can stand in for",
+        "Nothing was changed. Exclude them with module_filter_fn (it gets the module and "
+        "its name), or pass on_unsupported='skip' to leave them in high precision.",
+    )
+    if len(failed) > 1:  # one line per module, each starting with its name, then the advice
+        err.found = "\n".join(f"{name}: {reason}" for name, reason in failed)
+        err.args = (f"{err.found}\nExpected {err.expected}. {err.fix}",)
+    return err
+
+
 def plan_conversion(
     model: nn.Module,
     *,
@@ -273,8 +320,9 @@ def convert_model(
 
     Args:
         model: The model, unwrapped (convert before DDP, FSDP2 or ``torch.compile``).
-        module_filter_fn: ``(module, name) -> bool``: False leaves that module as it is
+        module_filter_fn: ``fn(module, fqn) -> bool``: False leaves that module as it is
             (torchao's convention). Asked once per candidate module, with its first name.
+            A callable that cannot take those two arguments is a ``ConfigError``.
         layernorm_linear: ``(norm name, linear name)`` pairs to fuse.
         layernorm_linear_sequential: Also fuse adjacent norm -> linear children of
             ``nn.Sequential`` containers.
@@ -307,17 +355,7 @@ def convert_model(
     plan = _plan(model, module_filter_fn, layernorm_linear, layernorm_linear_sequential)
     problems = plan.report.problems()
     if problems and on_unsupported == "raise":
-        keys = [d.name for d in plan.report if d.action == "unsupported"]
-        keys += [f"({p.norm}, {p.linear})" for p in plan.report.pairs
-                 if not p.fused and not p.filtered]
-        raise ConversionError(
-            ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else ""),
-            f"{len(problems)} module(s) or pair(s) that cannot be converted:\n"
-            + "\n".join(f"  - {line}" for line in problems),
-            "modules fp8state's FP8 modules can stand in for",
-            "Nothing was changed. Exclude them with module_filter_fn (it gets the module and "
-            "its name), or pass on_unsupported='skip' to leave them in high precision.",
-        )
+        raise _unsupported_error(plan.report)
     # Build everything before the first swap, so a failure leaves the model as it was.
     replacement: dict[int, nn.Module] = {id(m): build_swap(m) for m in plan.swaps}
     for pair in plan.fused:

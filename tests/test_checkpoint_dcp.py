@@ -50,8 +50,11 @@ def test_model_stored_under_a_key_next_to_other_state(tmp_path: Path) -> None:
     model = _trained()
     ckpt.dcp_load(model, tmp_path / "dcp", key="model")
     models.assert_same_state(models.full_state(model), models.full_state(source))
-    with pytest.raises(StateDictError, match="no such key in the checkpoint"):
+    with pytest.raises(StateDictError, match="no such key in the checkpoint") as info:
         ckpt.dcp_load(_trained(), tmp_path / "dcp")  # the top level has no model keys
+    extras = [p for p in info.value.problems if p.key.endswith("_extra_state")]
+    assert extras and all("load_plain_state_dict" in p.fix for p in extras)
+    assert not any("strict=False" in str(p) for p in extras)  # never the fix for metadata
 
 
 @pytest.mark.parametrize("rows", [8, 32])
@@ -159,8 +162,9 @@ def test_consolidate_refuses_to_overwrite(saved: tuple, tmp_path: Path) -> None:
     folder, _ = saved
     out = tmp_path / "model.pt"
     out.write_bytes(b"keep me")
-    with pytest.raises(CheckpointError, match="overwrite"):
+    with pytest.raises(CheckpointError, match="overwrite") as info:
         ckpt.consolidate(folder, out)
+    assert "overwrite=True" in info.value.fix and "--overwrite" not in info.value.fix
     assert out.read_bytes() == b"keep me"
     ckpt.consolidate(folder, out, overwrite=True)
     assert "inp.weight" in torch.load(out, weights_only=True)
@@ -198,7 +202,8 @@ def test_cli_consolidate(saved: tuple, tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["consolidate", str(folder), str(out)]) == 0
     assert "3 FP8 module(s) validated" in capsys.readouterr().out
     assert main(["consolidate", str(folder), str(out)]) == 1  # exists, no --overwrite
-    assert "overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=True" not in err
     assert main(["consolidate", str(folder), str(out), "--overwrite"]) == 0
     assert main(["consolidate", str(tmp_path / "nope"), str(out)]) == 1
 

@@ -226,8 +226,55 @@ def test_the_error_survives_pickling_with_its_problems() -> None:
 
 def test_long_problem_lists_are_shortened_in_the_message() -> None:
     model = torch.nn.Sequential(*[models.OneGemm(2, 2) for _ in range(30)])
+    state = {"0._extra_state": model[0].get_extra_state()}  # FP8 metadata of one module only
     with pytest.raises(StateDictError) as info:
-        ckpt.load_state_dict(model, {})
-    assert len(info.value.problems) == 90  # weight, bias, _extra_state of each
-    assert "and 70 more" in str(info.value)
-    assert "(90 keys)" in info.value.key
+        ckpt.load_state_dict(model, state)
+    assert len(info.value.problems) == 89  # weight and bias of each, 29 _extra_states
+    assert "and 69 more" in str(info.value)
+    assert "(89 keys)" in info.value.key
+
+
+def test_a_plain_state_dict_is_named_as_such_and_weights_are_still_listed() -> None:
+    model = _trained()
+    before = _live(model)
+    plain = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    del plain["norm.weight"]  # a real missing weight ...
+    plain["decoder.weight"] = torch.zeros(2)  # ... and a real unexpected one
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, plain)
+    problems = info.value.problems
+    extra = [p for p in problems if "_extra_state" in p.key]
+    assert len(extra) == 1  # one problem for all FP8 modules, not one per module
+    assert "without FP8 metadata" in extra[0].found
+    assert "fp8state.checkpoint.load_plain_state_dict" in extra[0].fix
+    assert sorted(p.key for p in problems if p not in extra) == ["decoder.weight",
+                                                                  "norm.weight"]
+    for problem in extra:
+        assert "strict=False" not in str(problem)
+    _, found = ckpt.validate_state_dict(model, plain)
+    assert [str(p) for p in found] == [str(p) for p in problems]
+    _assert_live_equal(_live(model), before)
+
+
+def test_some_missing_metadata_is_listed_per_module_without_strict_false() -> None:
+    model = _trained()
+    state = model.state_dict()
+    del state["mlp._extra_state"]
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, state)
+    (problem,) = info.value.problems
+    assert problem.key == "mlp._extra_state" and "strict=False" not in str(problem)
+    assert "load_plain_state_dict" in problem.fix
+
+
+def test_the_summary_is_on_a_line_of_its_own() -> None:
+    model = _trained()
+    state = model.state_dict()
+    del state["norm.weight"]
+    with pytest.raises(StateDictError) as info:
+        ckpt.load_state_dict(model, state)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "norm.weight: found 1 problem(s):"
+    assert lines[1].startswith("  - norm.weight: found no such key")
+    assert lines[2].startswith("Expected a state dict that fits ")
+    assert ".; expected" not in str(info.value)

@@ -74,6 +74,24 @@ def test_fp8state_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert doc["modules"][0]["saved_locations"] == ["cpu"]
 
 
+def test_fp8_metadata_safetensors_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    model = torch.nn.Sequential(fp8state.Linear(16, 16), fp8state.LayerNormMLP(16, 32))
+    with fp8state.fp8_autocast():
+        model(torch.randn(4, 16)).sum().backward()
+    fp8state.checkpoint.save_safetensors(model, tmp_path / "w.safetensors",
+                                         fp8_metadata_path=tmp_path / "fp8.safetensors")
+    code, out, err = _inspect(capsys, str(tmp_path / "fp8.safetensors"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and not err and doc["source"] == str(tmp_path / "fp8.safetensors")
+    assert [(m["module"], m["slots"]["fwd"]) for m in doc["modules"]] == [("0", 3), ("1", 6)]
+    scales = torch.cat([model[0].fp8_meta(d).scale for d in ("fwd", "bwd")])
+    assert doc["modules"][0]["scale_range"] == [float(scales.min()), float(scales.max())]
+    code, out, err = _inspect(capsys, str(tmp_path / "w.safetensors"))
+    assert code == 1 and not out and err.count("\n") == 1
+    assert "a safetensors file of 8 plain tensors (no FP8 metadata in it)" in err
+    assert "truncated or corrupt" not in err
+
+
 def test_generated_nested_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     gen = build("E04", [Module("encoder.layers.11.mlp.", "LayerNormMLP",
                                spec=Spec(rows=7, fmt="E4M3"))])

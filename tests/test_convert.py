@@ -173,6 +173,8 @@ def test_subclasses_are_never_swapped_and_never_warned_about() -> None:
     model = Net()
     original = copy.deepcopy(model)
     report = fp8state.plan_conversion(model)
+    # in_proj_weight is a parameter of the attention, not a module: nothing to convert there.
+    assert sorted(d.name for d in report) == ["attn.out_proj", "lora", "lora.down", "lora.up"]
     assert report["attn.out_proj"].action == "subclass"
     assert "nn.MultiheadAttention's out_proj" in report["attn.out_proj"].reason
     assert report["lora"].action == "subclass"
@@ -266,6 +268,62 @@ def test_a_bare_linear_is_returned_converted() -> None:
     converted = _convert_quietly(linear)
     assert type(converted) is fp8state.Linear and converted.weight is linear.weight
     assert converted.bias is linear.bias
+
+
+@pytest.mark.parametrize(
+    ("norm", "target"),
+    [(nn.LayerNorm(16), fp8state.LayerNorm), (nn.RMSNorm(16, eps=1e-6), fp8state.RMSNorm)],
+)
+def test_a_bare_norm_is_returned_converted(norm: nn.Module, target: type) -> None:
+    converted = _convert_quietly(norm)
+    assert converted is not norm and type(converted) is target
+    assert converted.weight is norm.weight
+
+
+def test_on_unsupported_raise_starts_with_the_module_and_its_reason() -> None:
+    with pytest.raises(ConversionError) as info:
+        fp8state.convert_model(nn.Sequential(nn.Linear(10, 12)), on_unsupported="raise")
+    message = str(info.value)
+    assert message.startswith("0: found a torch.nn.Linear that cannot be converted: "
+                              "in_features=10 and out_features=12 are not positive multiples")
+    assert message.count("torch._scaled_mm needs") == 1  # the reason once per module
+    model = nn.Sequential(nn.Linear(10, 16), nn.Linear(16, 12))
+    with pytest.raises(ConversionError) as info:
+        fp8state.convert_model(model, on_unsupported="raise")
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("0: a torch.nn.Linear that cannot be converted: in_features=10")
+    assert lines[1].startswith("1: a torch.nn.Linear that cannot be converted: out_features=12")
+    assert lines[2].startswith("Expected modules fp8state's FP8 modules can stand in for.")
+    assert info.value.key == "0, 1"
+
+
+def test_module_filter_fn_with_the_wrong_signature_is_a_config_error() -> None:
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ConfigError) as info:
+        fp8state.convert_model(model, module_filter_fn=lambda module: True)  # type: ignore[arg-type, misc]
+    assert "fn(module, fqn) -> bool" in info.value.expected
+    assert "(module)" in info.value.found
+    assert type(model[0]) is nn.Linear
+
+    def broken(module: nn.Module, fqn: str) -> bool:
+        raise TypeError("a bug inside the filter")
+
+    with pytest.raises(TypeError, match="a bug inside the filter"):  # not hidden as a ConfigError
+        fp8state.convert_model(model, module_filter_fn=broken)
+
+
+def test_report_types_are_public_in_fp8state_convert() -> None:
+    import fp8state.convert as convert
+
+    for name in ("ConversionReport", "ModuleDecision", "PairDecision", "FusedFrom"):
+        assert name in convert.__all__
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    report = fp8state.plan_conversion(model, layernorm_linear=[("0", "1")])
+    assert isinstance(report, convert.ConversionReport)
+    assert isinstance(report["0"], convert.ModuleDecision)
+    assert isinstance(report.pairs[0], convert.PairDecision)
+    _convert_quietly(model, layernorm_linear=[("0", "1")])
+    assert model[1].fp8_fused_from == convert.FusedFrom(norm="0", linear="1")
 
 
 def test_plan_conversion_changes_nothing_and_prints_a_table() -> None:

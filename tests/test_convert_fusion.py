@@ -98,7 +98,8 @@ def test_sequential_pairs_are_found_when_asked() -> None:
     [
         ([("blocks.0.ln_9", "blocks.0.qkv")], "blocks.0.ln_9", "no module of that name"),
         ([("blocks.0.qkv", "blocks.0.proj")], "(blocks.0.qkv, blocks.0.proj)",
-         "the norm is a torch.nn.Linear"),
+         "the norm 'blocks.0.qkv' is a torch.nn.Linear and the linear layer 'blocks.0.proj' "
+         "is a torch.nn.Linear"),
         ([("blocks.0.ln_1", "emb")], "(blocks.0.ln_1, emb)", "torch.nn.Embedding"),
         ([("blocks.0.ln_1", "blocks.0.mlp.2")], "(blocks.0.ln_1, blocks.0.mlp.2)",
          "takes 64 features"),
@@ -115,6 +116,19 @@ def test_wrong_pairs_are_errors_and_change_nothing(
         fp8state.convert_model(model, layernorm_linear=pairs)
     assert info.value.key == key and found in info.value.found
     assert dict(model.named_modules()) == before
+
+
+def test_a_swapped_pair_is_one_sentence_naming_both_modules() -> None:
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16))
+    with pytest.raises(ConversionError) as info:
+        fp8state.convert_model(model, layernorm_linear=[("1", "0")])
+    assert info.value.found == (
+        "the norm '1' is a torch.nn.Linear and the linear layer '0' is a torch.nn.LayerNorm "
+        "(the two names look swapped: the norm comes first)"
+    )
+    assert info.value.fix == "Name the norm first: layernorm_linear=[('0', '1')]."
+    assert str(info.value).count("expected") == 1
+    assert type(model[0]) is nn.LayerNorm and type(model[1]) is nn.Linear
 
 
 def test_a_pair_that_cannot_fuse_is_warned_about_and_converted_alone() -> None:

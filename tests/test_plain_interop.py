@@ -101,13 +101,14 @@ def test_weights_and_metadata_round_trip_through_safetensors_exactly(tmp_path: P
 
 def test_save_and_load_safetensors_wrappers(tmp_path: Path) -> None:
     model = _converted(seed=1, trained=True)
-    save_safetensors(model, tmp_path / "w.safetensors", metadata_path=tmp_path / "m.safetensors")
+    weights_file, metadata_file = tmp_path / "w.safetensors", tmp_path / "m.safetensors"
+    save_safetensors(model, weights_file, fp8_metadata_path=metadata_file)
     from safetensors import safe_open
 
-    with safe_open(tmp_path / "w.safetensors", "pt") as f:
-        assert f.metadata() == {"format": "pt"}
+    with safe_open(weights_file, "pt") as f:  # the tied head is written once, as save_model does
+        assert f.metadata() == {"format": "pt", "head.weight": "emb.weight"}
     fresh = _converted(seed=2)
-    load_safetensors(fresh, tmp_path / "w.safetensors", metadata_path=tmp_path / "m.safetensors")
+    load_safetensors(fresh, weights_file, fp8_metadata_path=metadata_file)
     _assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
     # Weights only, split in two shards as Hugging Face writes large models.
     weights = to_plain_state_dict(model)

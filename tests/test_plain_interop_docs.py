@@ -38,7 +38,10 @@ def test_interop_doc_examples_run(
                        fused.mlp[0].fp8_meta("bwd").amax_history)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", ["fp8state.convert", "fp8state.checkpoint.plain"])
+@pytest.mark.parametrize(
+    "name",
+    ["fp8state.convert", "fp8state.checkpoint.plain", "fp8state.checkpoint.plain_safetensors"],
+)
 def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

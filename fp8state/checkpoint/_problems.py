@@ -1,10 +1,15 @@
-"""Many problems, one error: how the checkpoint helpers report everything wrong at once."""
+"""Many problems, one error: how the checkpoint helpers report everything wrong at once.
+
+Also the problems that several loaders report the same way: a key the model has and the state
+dict lacks, and an FP8 module's metadata missing from a checkpoint.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX
 from fp8state.errors import CheckpointError, FP8StateError
 
 #: At most this many problems are spelled out in a message (all stay in ``problems``).
@@ -13,6 +18,9 @@ _SHOWN = 20
 
 class StateDictError(CheckpointError):
     """A state dict does not fit a model; nothing was loaded.
+
+    Its message lists the problems one per line, then says what was expected and what to do
+    on a line of its own.
 
     Attributes:
         problems: One :class:`~fp8state.errors.FP8StateError` per key at fault, each naming
@@ -29,6 +37,8 @@ class StateDictError(CheckpointError):
     ) -> None:
         super().__init__(key, found, expected, fix)
         self.problems = tuple(problems)
+        # The list ends with a problem's own sentence; the summary gets a line of its own.
+        self.args = (f"{key}: found {found}\nExpected {expected}. {fix}",)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.key, self.found, self.expected, self.fix, self.problems))
@@ -43,8 +53,59 @@ def summarize(problems: Sequence[FP8StateError]) -> str:
     return "\n".join(lines)
 
 
-def keys_of(problems: Sequence[FP8StateError], limit: int = 5) -> str:
-    """The problems' keys, comma-separated, for an error's ``key``."""
-    keys = list(dict.fromkeys(p.key for p in problems))
+def is_extra_state_key(key: object) -> bool:
+    """True for ``"_extra_state"`` and ``"<module>._extra_state"``."""
+    return isinstance(key, str) and (
+        key == EXTRA_STATE_SUFFIX or key.endswith("." + EXTRA_STATE_SUFFIX)
+    )
+
+
+def missing_key(key: str) -> CheckpointError:
+    """A key of the model that the state dict lacks (``strict=True``)."""
+    fix = (
+        "Load a checkpoint of this model (this module's extra state included)."
+        if is_extra_state_key(key)  # another library's extra state: never skip it silently
+        else "Load a checkpoint of this model, or pass strict=False to load the keys that are "
+        "there."
+    )
+    return CheckpointError(
+        key, "no such key in the state dict", "a value for every key of the model (strict=True)",
+        fix,
+    )
+
+
+def missing_fp8_metadata(key: str, where: str = "state dict") -> CheckpointError:
+    """One FP8 module's ``_extra_state`` missing from a checkpoint that has others."""
+    return CheckpointError(
+        key, f"no FP8 metadata for this module in the {where}",
+        "an _extra_state for every FP8 module of the model",
+        "The checkpoint was saved from a model built differently, or was edited. Load a "
+        "complete checkpoint of this model; a checkpoint with no FP8 metadata at all loads "
+        "with fp8state.checkpoint.load_plain_state_dict, which starts every FP8 module fresh.",
+    )
+
+
+def no_fp8_metadata(keys: Sequence[str]) -> CheckpointError:
+    """The state dict has no ``_extra_state`` at all while the model has FP8 modules."""
+    return CheckpointError(
+        keys_of_strings(keys),
+        f"no _extra_state key at all for the model's {len(keys)} FP8 module(s): a checkpoint "
+        "without FP8 metadata (trained without FP8, a Hugging Face file, an nn.Linear "
+        "model's state_dict())",
+        "an fp8state checkpoint, with an _extra_state for every FP8 module",
+        "Load it with fp8state.checkpoint.load_plain_state_dict(model, state_dict) (or "
+        "load_safetensors for .safetensors files): every FP8 module starts fresh and every "
+        "weight is still checked.",
+    )
+
+
+def keys_of_strings(keys: Sequence[str], limit: int = 5) -> str:
+    """``keys`` comma-separated, the first ``limit`` of them, for an error's ``key``."""
+    keys = list(dict.fromkeys(keys))
     shown = ", ".join(keys[:limit])
     return shown if len(keys) <= limit else f"{shown}, ... ({len(keys)} keys)"
+
+
+def keys_of(problems: Sequence[FP8StateError], limit: int = 5) -> str:
+    """The problems' keys, comma-separated, for an error's ``key``."""
+    return keys_of_strings([p.key for p in problems], limit)

@@ -96,7 +96,7 @@ def consolidate(
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(
             out, "an existing file", "a path that does not exist yet",
-            "Choose another output path, or pass overwrite=True (--overwrite on the CLI).",
+            "Choose another output path, or pass overwrite=True to replace it.",
         )
     state = load_dcp_state_dict(dcp_dir)
     fp8_keys: list[str] = []

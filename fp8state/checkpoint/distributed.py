@@ -150,7 +150,15 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
     plan = _Plan()
     for name, value in sd.items():
         items = stored.get(name)
-        if items is None:
+        if items is None and is_fp8_payload(value):
+            plan.missing.append(CheckpointError(
+                name, "no such key in the checkpoint (no FP8 metadata for this module)",
+                "an _extra_state for every FP8 module of the model",
+                "Load a checkpoint saved from this model. For a checkpoint without FP8 "
+                "metadata, read it with fp8state.checkpoint.load_dcp_state_dict and load that "
+                "with fp8state.checkpoint.load_plain_state_dict (every FP8 module starts fresh).",
+            ))
+        elif items is None:
             plan.missing.append(CheckpointError(
                 name, "no such key in the checkpoint", "every key of the model (strict=True)",
                 "Load a checkpoint of this model, or pass strict=False.",

@@ -3,7 +3,8 @@
 - :func:`load_plain_state_dict` loads a state dict that has no ``_extra_state`` keys (a model
   trained without FP8, a Hugging Face checkpoint) into a model with fp8state modules: every FP8
   module starts with fresh metadata, and every real missing or unexpected weight is still
-  reported (no ``strict=False`` needed).
+  reported (no ``strict=False`` needed); a tied weight that a safetensors file keeps under one
+  name only is filled through its tie.
 - :func:`to_plain_state_dict` exports the weights under the names of the ``nn.Linear``-based
   model (CPU, contiguous, no shared storage: ``safetensors.torch.save_file`` takes it as is),
   with the FP8 metadata dropped or returned beside it as a flat map of tensors.
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX, Entry, KeyResolver, model_entries
 from fp8state.checkpoint._plain_names import plain_keys
 from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint._ties import tied_fills
 from fp8state.checkpoint.validate import validate_state_dict
 from fp8state.errors import CheckpointError, ConfigError, FP8StateError
 from fp8state.mixin import FP8StateMixin
@@ -98,8 +100,10 @@ def to_plain_state_dict(
     2. No ``_extra_state`` key: the result loads into the ``nn.Linear``-based model with plain
        ``load_state_dict(strict=True)``.
     3. Values are CPU, contiguous and detached; no two share storage (tied weights are
-       copied, once per key, as ``load_state_dict`` wants every key). Like ``state_dict()``,
-       a value may share memory with a parameter that already was a contiguous CPU tensor.
+       copied, once per key, as ``load_state_dict(strict=True)`` wants every key;
+       :func:`~fp8state.checkpoint.save_safetensors` writes one name per shared tensor
+       instead, as ``safetensors.torch.save_model`` does). Like ``state_dict()``, a value
+       may share memory with a parameter that already was a contiguous CPU tensor.
 
     Args:
         model: The model (plain, or DDP / ``torch.compile`` wrapped; not sharded).
@@ -114,7 +118,8 @@ def to_plain_state_dict(
     Raises:
         CheckpointError: a sharded (DTensor) or ``meta`` value, a non-tensor value, or a fused
             module whose recorded names no longer fit the model.
-        ConfigError: an unknown ``fp8_metadata`` mode.
+        ConfigError: ``fp8_metadata`` is not one of the modes (its type is named, never
+            its value: a metadata map belongs to ``load_plain_state_dict``).
 
     Example:
         >>> import torch, fp8state
@@ -125,10 +130,13 @@ def to_plain_state_dict(
         >>> sorted(to_plain_state_dict(model))
         ['0.bias', '0.weight', '1.bias', '1.weight']
     """
-    if fp8_metadata not in _MODES:
+    if not isinstance(fp8_metadata, str) or fp8_metadata not in _MODES:
+        found = repr(fp8_metadata) if isinstance(fp8_metadata, str) else (
+            f"a {type(fp8_metadata).__name__}")
         raise ConfigError(
-            "fp8_metadata", repr(fp8_metadata), f"one of {_MODES}",
-            "Pass 'drop' for weights only, or 'separate' for (weights, metadata).",
+            "to_plain_state_dict(fp8_metadata=)", found, f"one of {_MODES}",
+            "Pass 'drop' for weights only, or 'separate' for (weights, metadata). A metadata "
+            "map goes to load_plain_state_dict(..., fp8_metadata=) instead.",
         )
     entries = model_entries(model)
     names = plain_keys(entries)
@@ -214,8 +222,9 @@ def _with_metadata(
                 problems.append(CheckpointError(
                     f"fp8_metadata[{entry.canonical}.*]", "no metadata for this FP8 module",
                     "metadata for every FP8 module (strict=True)",
-                    "Pass the map to_plain_state_dict wrote for a model built like this one, "
-                    "or strict=False to start the modules it lacks fresh.",
+                    "Pass the whole map to_plain_state_dict(..., fp8_metadata='separate') "
+                    "wrote for a model built like this one, or no fp8_metadata at all to "
+                    "start every FP8 module fresh.",
                 ))
             assert isinstance(entry.module, FP8StateMixin)
             rows = entry.module.fp8_meta("fwd").amax_history.shape[0]
@@ -228,8 +237,8 @@ def _with_metadata(
 def load_plain_state_dict(
     model: nn.Module,
     state_dict: Mapping[str, Any],
-    *,
     strict: bool = True,
+    *,
     assign: bool = False,
     fp8_metadata: Mapping[str, torch.Tensor] | None = None,
 ) -> Any:
@@ -241,11 +250,15 @@ def load_plain_state_dict(
     2. Keys are spelled as plain PyTorch spells them (:func:`to_plain_state_dict`): the
        original norm's names for a ``LayerNormLinear`` that ``convert_model`` fused; the
        model's own spellings are accepted too.
-    3. Every FP8 module gets the metadata of a freshly built module (zero histories, scales
+    3. Tied weights: a key the state dict lacks is not missing when its parameter (or
+       buffer) is the very same object as one under a key it holds (an output head tied
+       to the embedding, of which safetensors files keep one name); it is filled through the
+       tie.
+    4. Every FP8 module gets the metadata of a freshly built module (zero histories, scales
        of 1, the default recipe), or its entry in ``fp8_metadata``. Fresh metadata for all of
        them, also with ``strict=False``: new weights change every layer's activations, so no
        old scale can be trusted.
-    4. Everything is checked first (shapes, missing and unexpected weights, metadata); if
+    5. Everything is checked first (shapes, missing and unexpected weights, metadata); if
        anything is wrong, :class:`~fp8state.checkpoint.StateDictError` lists every problem
        and the model is unchanged.
 
@@ -254,6 +267,7 @@ def load_plain_state_dict(
         state_dict: Weights, e.g. ``torch.load(..., weights_only=True)`` of an
             ``nn.Linear``-based model's ``state_dict()``, or a Hugging Face safetensors file.
         strict: True: every missing and unexpected key is an error. False: they are returned.
+            Positional or keyword, as in :func:`fp8state.checkpoint.load_state_dict`.
         assign: As in ``nn.Module.load_state_dict``.
         fp8_metadata: The flat map ``to_plain_state_dict(..., fp8_metadata="separate")``
             returned; with ``strict=True`` it must cover every FP8 module.
@@ -265,6 +279,7 @@ def load_plain_state_dict(
     Raises:
         StateDictError: listing every problem; nothing was loaded.
         CheckpointError: ``state_dict`` holds FP8 ``_extra_state`` keys, or is not a mapping.
+        ConfigError: ``fp8_metadata`` is neither a mapping nor None.
 
     Example:
         >>> import torch, fp8state
@@ -284,9 +299,14 @@ def load_plain_state_dict(
             "Pass a state dict (torch.load(..., weights_only=True) or safetensors' load_file).",
         )
     if fp8_metadata is not None and not isinstance(fp8_metadata, Mapping):
-        raise CheckpointError(
-            "fp8_metadata", f"a {type(fp8_metadata).__name__}", "a mapping, or None",
-            "Pass the map to_plain_state_dict(..., fp8_metadata='separate') returned.",
+        found = f"a {type(fp8_metadata).__name__}" + (
+            f" ({fp8_metadata!r}, a mode of to_plain_state_dict)"
+            if isinstance(fp8_metadata, str) and fp8_metadata in _MODES else "")
+        raise ConfigError(
+            "load_plain_state_dict(fp8_metadata=)", found,
+            "a mapping of '<module>._extra_state.<schema key>' to tensors, or None",
+            "Pass the map to_plain_state_dict(..., fp8_metadata='separate') returned (its "
+            "second item), or None to start every FP8 module fresh.",
         )
     entries = model_entries(model)
     names = plain_keys(entries)
@@ -310,13 +330,16 @@ def load_plain_state_dict(
             ))
             continue
         combined[target] = value
+    fills = tied_fills(resolver, combined)  # keys a safetensors file dropped for a tie
+    for key, source in fills.items():
+        combined[key] = combined[source]
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:  # per-module versions, which some _load_from_state_dict read
         combined._metadata = metadata  # type: ignore[attr-defined]
     _with_metadata(combined, extras, fp8_metadata, strict, problems)
     translated, found = validate_state_dict(model, combined, strict=strict, assign=assign)
     problems += [p if p.key not in names else type(p)(names[p.key], p.found, p.expected, p.fix)
-                 for p in found]
+                 for p in found if p.key not in fills]  # a tie repeats its source's problem
     if problems:
         raise StateDictError(
             keys_of(problems), summarize(problems),

@@ -16,7 +16,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
-from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint._problems import (
+    StateDictError,
+    is_extra_state_key,
+    keys_of,
+    missing_fp8_metadata,
+    missing_key,
+    no_fp8_metadata,
+    summarize,
+)
 from fp8state.errors import CheckpointError, FP8StateError
 from fp8state.mixin import FP8StateMixin
 
@@ -25,13 +33,6 @@ __all__ = ["load_state_dict", "validate_state_dict"]
 
 def _is_dtensor(value: object) -> bool:
     return isinstance(value, DTensor)
-
-
-def _missing(key: str) -> CheckpointError:
-    return CheckpointError(
-        key, "no such key in the state dict", "a value for every key of the model (strict=True)",
-        "Load a checkpoint of this model, or pass strict=False to load the keys that are there.",
-    )
 
 
 def _unexpected(key: str) -> CheckpointError:
@@ -112,6 +113,8 @@ def validate_state_dict(
         state_dict: A flat state dict (``torch.load`` of a ``torch.save(model.state_dict())``
             file, or what DCP filled in).
         strict: Report missing and unexpected keys, as ``load_state_dict(strict=True)`` does.
+            The FP8 modules' missing ``_extra_state`` keys are one problem when the state
+            dict has no ``_extra_state`` key at all (a checkpoint without FP8 metadata).
         assign: The ``assign`` that will be passed to ``load_state_dict`` (a model still on
             ``meta`` is fine with ``assign=True``).
 
@@ -154,11 +157,25 @@ def validate_state_dict(
             problems.append(problem)
         out[entry.key] = value
     if strict:
-        problems += [_missing(e.key) for e in resolver.entries if e.key not in out]
+        problems += _missing_problems(resolver.entries, out, state_dict)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
         out._metadata = _translate_metadata(model, metadata)  # type: ignore[attr-defined]
     return out, problems
+
+
+def _missing_problems(
+    entries: list[Entry], found: Mapping[str, Any], state_dict: Mapping[str, Any]
+) -> list[FP8StateError]:
+    """One problem per missing weight; FP8 metadata missing altogether is one problem."""
+    missing = [e for e in entries if e.key not in found]
+    fp8 = [e.key for e in missing if e.kind == "extra" and isinstance(e.module, FP8StateMixin)]
+    problems: list[FP8StateError] = [missing_key(e.key) for e in missing if e.key not in fp8]
+    if fp8 and not any(is_extra_state_key(k) for k in state_dict):
+        problems.append(no_fp8_metadata(fp8))  # a plain checkpoint: say so once
+    else:
+        problems += [missing_fp8_metadata(key) for key in fp8]
+    return problems
 
 
 def _translate_metadata(model: nn.Module, metadata: Mapping[str, Any]) -> Any:
@@ -185,7 +202,10 @@ def load_state_dict(
     1. Every FP8 module's extra state is validated (schema, GEMM count, values), every
        parameter and buffer checked for presence (``strict``), type and shape.
     2. If anything is wrong, :class:`StateDictError` lists every problem (module names and
-       what is wrong) and the model is unchanged.
+       what is wrong) and the model is unchanged. A state dict with no ``_extra_state`` key
+       at all, for a model with FP8 modules, is a checkpoint without FP8 metadata: one
+       problem says so and points at :func:`~fp8state.checkpoint.load_plain_state_dict`
+       (missing and unexpected weights are still listed one by one).
     3. Otherwise ``model.load_state_dict`` runs; FP8 metadata lands on each module's own
        device, whatever device the state dict's tensors are on.
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from fp8state.checkpoint.consolidation import consolidate
+from fp8state.errors import CheckpointError
 
 NAME = "consolidate"
 HELP = (
@@ -24,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Consolidate, print one line about the file written, return 0."""
+    if os.path.exists(args.out) and not args.overwrite:  # the library's message names overwrite=
+        raise CheckpointError(
+            args.out, "an existing file", "a path that does not exist yet",
+            "Choose another OUT, or add --overwrite to replace it.",
+        )
     result = consolidate(args.dir, args.out, overwrite=args.overwrite)
     print(
         f"wrote {result.path}: {result.num_tensors} tensors, "

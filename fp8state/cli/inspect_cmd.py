@@ -1,22 +1,30 @@
 """``fp8state inspect PATH [--json]``: the FP8 modules of any checkpoint, one row each.
 
 Works for fp8state checkpoints and TransformerEngine checkpoints of every era, as one
-``torch.save`` file or a ``torch.distributed.checkpoint`` (DCP) folder. Everything is read
-through allow-lists, onto the CPU, and nothing pickled in it runs.
+``torch.save`` file or a ``torch.distributed.checkpoint`` (DCP) folder, and for the FP8
+metadata file ``save_safetensors(..., fp8_metadata_path=)`` writes. Everything is read
+through allow-lists (safetensors holds no pickle), onto the CPU, and nothing pickled in it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 
-from fp8state.migrate.summary import summarize_checkpoint
+import torch
+
+from fp8state.checkpoint._safetensors_files import is_fp8_metadata_header, read_header
+from fp8state.checkpoint.plain_safetensors import read_fp8_metadata_file
+from fp8state.errors import CheckpointError
+from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
 
 NAME = "inspect"
 HELP = (
     "Show each FP8 module of a checkpoint (fp8state or TransformerEngine, any era; a torch.save "
-    "file or a DCP folder): era, slots, history length, scale and amax ranges, recipe, and the "
-    "devices its tensors were saved on."
+    "file, a DCP folder, or an FP8 metadata .safetensors file): era, slots, history length, "
+    "scale and amax ranges, recipe, and the devices its tensors were saved on."
 )
 
 
@@ -24,16 +32,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``PATH`` and ``--json``."""
     parser.add_argument(
         "path", metavar="PATH",
-        help="a torch.save file, or a folder written by torch.distributed.checkpoint",
+        help="a torch.save file, a folder written by torch.distributed.checkpoint, or the FP8 "
+        "metadata .safetensors file fp8state's save_safetensors writes",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the table (or JSON); errors propagate to the CLI's one-line handler."""
-    summary = summarize_checkpoint(args.path)
+    summary = _summarize(args.path)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))
     else:
         print(summary.format_table())
     return 0
+
+
+def _summarize(path: str) -> CheckpointSummary:
+    """Summarize a checkpoint; a safetensors file is told apart by its header first."""
+    header = read_header(path) if os.path.isfile(path) else None
+    if header is None:
+        return summarize_checkpoint(path)
+    tensors = len([k for k in header if k != "__metadata__"])
+    if not is_fp8_metadata_header(header) and not any("_extra_state." in k for k in header):
+        raise CheckpointError(
+            path, f"a safetensors file of {tensors} plain tensors (no FP8 metadata in it)",
+            "a torch.save checkpoint, a DCP folder, or the FP8 metadata file "
+            "save_safetensors(..., fp8_metadata_path=) writes",
+            "A weights file holds no FP8 state to show; inspect the FP8 metadata file written "
+            "beside it, if there is one.",
+        )
+    # Regroup the flat map into extra states and summarize that, as for a torch.save file.
+    buffer = io.BytesIO()
+    torch.save(read_fp8_metadata_file(path), buffer)
+    buffer.seek(0)
+    buffer.name = path  # what the summary calls its source
+    return summarize_checkpoint(buffer)
