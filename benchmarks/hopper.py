@@ -102,7 +102,7 @@ def spin_up(device: torch.device, seconds: float) -> None:
         _sync(device)
 
 
-def _fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
+def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
              ) -> Callable[[], None]:
     def step() -> None:
         with fp8state.fp8_autocast(enabled=fp8):
@@ -118,7 +118,7 @@ def _ratio(bf16: nn.Module, fp8: nn.Module, tokens: int, k: int, n: int, device,
            ) -> dict[str, float | None]:
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
-    t_bf16, t_fp8 = time_pair_ms(_fwd_bwd(bf16, x, grad, False), _fwd_bwd(fp8, x, grad, True),
+    t_bf16, t_fp8 = time_pair_ms(fwd_bwd(bf16, x, grad, False), fwd_bwd(fp8, x, grad, True),
                                  device, args.warmup, args.iters)
     return {"bf16_ms": t_bf16, "fp8_ms": t_fp8, "ratio": t_bf16 / t_fp8}
 
@@ -154,8 +154,8 @@ def bench_mlp(device, args) -> dict[str, float | None]:
     result = _ratio(bf16, fp8, tokens, hidden, hidden, device, args)
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
-    result["bf16_peak_mb"] = _peak_mb(_fwd_bwd(bf16, x, grad, False), device)
-    result["fp8_peak_mb"] = _peak_mb(_fwd_bwd(fp8, x, grad, True), device)
+    result["bf16_peak_mb"] = _peak_mb(fwd_bwd(bf16, x, grad, False), device)
+    result["fp8_peak_mb"] = _peak_mb(fwd_bwd(fp8, x, grad, True), device)
     bf16_mb, fp8_mb = result["bf16_peak_mb"], result["fp8_peak_mb"]
     result["peak_mem_ratio"] = fp8_mb / bf16_mb if fp8_mb and bf16_mb else None
     return result

@@ -17,21 +17,11 @@ import time
 import warnings
 
 import torch
+from hopper import fwd_bwd  # the step the benchmark times (benchmarks/ is on sys.path)
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import fp8state
-
-
-def make_step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool):
-    def step() -> None:
-        with fp8state.fp8_autocast(enabled=fp8):
-            y = module(x)
-        y.backward(grad)
-        x.grad = None
-        for p in module.parameters():
-            p.grad = None
-    return step
 
 
 def build(tokens: int, k: int, n: int, fp8: bool):
@@ -42,11 +32,12 @@ def build(tokens: int, k: int, n: int, fp8: bool):
         module = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-    return make_step(module, x, grad, fp8)
+    return fwd_bwd(module, x, grad, fp8)
 
 
-def host_us(step, iters: int = 200) -> float:
-    for _ in range(20):
+def host_us(step, iters: int = 200, warmup: int = 20) -> float:
+    """Host microseconds per call of ``step``, launched back to back (GPU not waited for)."""
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -80,18 +71,6 @@ def launch_profile(iters: int = 5000) -> None:
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-
-
-def per_call_us(fn, iters: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / iters * 1e6
 
 
 def pieces() -> None:
@@ -155,7 +134,7 @@ def pieces() -> None:
     rows["with torch.cuda.device"] = device_ctx
     for name, fn in rows.items():
         try:
-            print(f"piece {name}: {per_call_us(fn):.1f} us")
+            print(f"piece {name}: {host_us(fn, 2000, 50):.1f} us")
         except Exception as exc:  # a piece that does not run on this Triton version
             print(f"piece {name}: failed: {type(exc).__name__}: {exc}")
 

@@ -7,9 +7,14 @@ a multiple of 16, so convert_model converts all of it.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+from _utils import run_steps
 from torch import nn
+
+import fp8state
 
 HIDDEN, FFN, VOCAB = 32, 64, 48
 
@@ -66,3 +71,17 @@ def tiny_lm(seed: int = 0) -> TinyLM:
 
 def tokens(seed: int = 0, batch: int = 2, length: int = 8) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def converted_tiny_lm(seed: int = 0, *, trained: bool = False) -> nn.Module:
+    """A TinyLM through convert_model (its norm->linear pairs fused), trained a few steps if asked.
+
+    Conversion must not warn (every GEMM of a TinyLM can run in FP8); training gives every
+    module non-trivial FP8 metadata.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = fp8state.convert_model(tiny_lm(seed), layernorm_linear=TINY_LM_PAIRS)
+    if trained:
+        run_steps(model, 3, seed=seed)
+    return model

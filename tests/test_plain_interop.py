@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import copy
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import safetensors.torch as st
 import torch
 from _utils import assert_unchanged, run_steps, snapshot
-from test_convert_models import TINY_LM_PAIRS, TinyLM, tiny_lm, tokens
+from test_convert_models import TinyLM, tiny_lm, tokens
+from test_convert_models import converted_tiny_lm as _converted
 from torch import nn
 
 import fp8state
@@ -24,15 +24,6 @@ from fp8state.checkpoint import (
 )
 from fp8state.errors import CheckpointError, ConfigError
 from fp8state.schema import default_payload
-
-
-def _converted(seed: int = 0, *, trained: bool = False) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = fp8state.convert_model(tiny_lm(seed), layernorm_linear=TINY_LM_PAIRS)
-    if trained:
-        run_steps(model, 3, seed=seed)  # non-trivial FP8 metadata in every module
-    return model
 
 
 def _fp8_payloads(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

@@ -4,17 +4,15 @@ files, and the arguments of the plain loaders."""
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 import safetensors.torch as st
 import torch
-from _utils import assert_unchanged, run_steps, snapshot
-from test_convert_models import TINY_LM_PAIRS, TinyLM, tiny_lm, tokens
-from torch import nn
+from _utils import assert_unchanged, snapshot
+from test_convert_models import TinyLM, tiny_lm, tokens
+from test_convert_models import converted_tiny_lm as _converted
 
-import fp8state
 from fp8state.checkpoint import (
     StateDictError,
     load_plain_state_dict,
@@ -23,15 +21,6 @@ from fp8state.checkpoint import (
     to_plain_state_dict,
 )
 from fp8state.errors import CheckpointError, ConfigError
-
-
-def _converted(seed: int = 0, *, trained: bool = False) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model = fp8state.convert_model(tiny_lm(seed), layernorm_linear=TINY_LM_PAIRS)
-    if trained:
-        run_steps(model, 3, seed=seed)
-    return model
 
 
 def _assert_same(a: dict, b: dict) -> None:  # type: ignore[type-arg]
