@@ -20,10 +20,13 @@ from fp8state.quantize import finite_amax, quantize
 from fp8state.scaling import shift_history
 
 __all__ = [
-    "apply_op", "cast_and_record", "cast_slot", "fused_kernel_available", "kernels_available",
+    "CAST_OPS", "apply_op", "cast_and_record", "cast_slot", "fused_kernel_available",
+    "kernels_available",
 ]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: What cast_slot can cast (apply_op defines each); the kernel numbers them in this order.
+CAST_OPS = ("identity", "gelu", "dgelu")
 # The kernel indexes in 32 bits; larger tensors take the (slower, exact) reference path.
 _KERNEL_MAX_NUMEL = 2**31
 
@@ -120,22 +123,25 @@ def cast_slot(
         is a 1-element copy of ``scale_inv[slot]`` taken before the step's scale update can
         change it.
     """
-    if fused_kernel_available(x_2d) and history.is_contiguous() and scale.is_contiguous() \
-            and scale_inv.is_contiguous():
+    if op not in CAST_OPS or (op == "dgelu") != (aux is not None):
+        raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
+                          "'identity' or 'gelu' without aux, 'dgelu' with aux",
+                          "Pass one of the supported ops (this is a bug in the caller).")
+    kernel = fused_kernel_available(x_2d) and history.is_contiguous() \
+        and scale.is_contiguous() and scale_inv.is_contiguous()
+    # The kernel shifts in-launch, through a scratch pair per stream that a CUDA graph would
+    # bake in: captured steps (and the reference path) shift with plain tensor ops instead.
+    if new_step and (not kernel or torch.cuda.is_current_stream_capturing()):
+        history.copy_(shift_history(history))
+        new_step = False
+    if kernel:
         from fp8state.kernels import triton_cast
 
-        if new_step and torch.cuda.is_current_stream_capturing():
-            # The in-kernel shift coordinates through a scratch pair per stream that a CUDA
-            # graph would bake in; captured steps shift with plain tensor ops instead.
-            history.copy_(shift_history(history))
-            new_step = False
         return triton_cast.cast_slot(x_2d, scale, scale_inv, history, slot, fp8_dtype,
                                      transpose=transpose, new_step=new_step,
                                      column_sums=column_sums, op=op,
                                      aux=None if aux is None else aux.contiguous())
     x_2d = apply_op(x_2d, op, aux)
-    if new_step:
-        history.copy_(shift_history(history))
     x_fp8, x_fp8_t = cast_and_record(x_2d, scale[slot : slot + 1], history[0, slot : slot + 1],
                                      fp8_dtype, transpose=transpose)
     sums = x_2d.sum(dim=0) if column_sums else None

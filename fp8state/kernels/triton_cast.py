@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fp8state.errors import ConfigError
+from fp8state.cast import CAST_OPS
 from fp8state.kernels._launch import FastLauncher, int_spec, ptr_aligned, raw_stream
 
 __all__ = ["cast_transpose_amax", "cast_slot", "default_config", "OPS"]
@@ -50,7 +50,7 @@ def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr,
 
 # What the kernel casts: the input itself, GELU (tanh approximation) of it, or the input (an
 # incoming gradient) times GELU's derivative at ``aux`` (the activation's input).
-OPS = {"identity": 0, "gelu": 1, "dgelu": 2}
+OPS = {name: code for code, name in enumerate(CAST_OPS)}
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _KAPPA = tl.constexpr(0.044715)
 
@@ -217,15 +217,12 @@ def cast_slot(
             ``"gelu"`` (``gelu(x_2d)``, tanh approximation) or ``"dgelu"`` (``x_2d *
             gelu'(aux)``). Amax, transpose and column sums are of that value.
         aux: For ``"dgelu"``: the activation's input, shaped like ``x_2d``, contiguous.
+            ``op`` and ``aux`` are checked by the caller, :func:`fp8state.cast.cast_slot`.
 
     Returns:
         ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``; the snapshot
         is a 1-element copy of ``scale_inv[slot]`` as it was when the cast ran.
     """
-    if op not in OPS or (op == "dgelu") != (aux is not None):
-        raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
-                          "'identity' or 'gelu' without aux, 'dgelu' with aux",
-                          "Pass one of the supported ops (this is a bug in the caller).")
     return _launch(x_2d, scale, scale_inv, history, slot, history.shape[-1], fp8_dtype,
                    transpose, snapshot=True, new_step=new_step, column_sums=column_sums,
                    op=op, aux=aux)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import einops
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -27,7 +26,7 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
-__all__ = ["linear"]
+__all__ = ["linear", "fp8_backend", "as_2d", "like_input"]
 
 
 def linear(
@@ -58,21 +57,34 @@ def linear(
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
         return F.linear(inp, weight, bias)
-    backend = resolve_backend(ctx.gemm_backend, inp.device)
-    macs = inp.numel() * weight.shape[0]  # tokens * in * out
-    if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs):
+    backend = fp8_backend(module, ctx, inp, inp.numel() * weight.shape[0])  # tokens*in*out
+    if backend is None:
         module.__dict__["fp8_last_gemm_backend"] = "high_precision"  # (per call: cheap)
         return F.linear(inp, weight, bias)
     autocast.register_forward(module, ctx)
-    if inp.dim() == 2:  # no view ops at all in the common case: each costs host time
-        return _FP8Linear.apply(inp, weight, bias, module, gemm, ctx, backend,
-                                is_first_microbatch)
-    # A view where the layout allows (einops.pack would concatenate, i.e. copy the input).
-    inp_2d = einops.rearrange(inp, "... k -> (...) k")
-    out_2d = _FP8Linear.apply(
-        inp_2d, weight, bias, module, gemm, ctx, backend, is_first_microbatch
-    )
-    return out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
+    out = _FP8Linear.apply(as_2d(inp), weight, bias, module, gemm, ctx, backend,
+                           is_first_microbatch)
+    return like_input(out, inp)
+
+
+def fp8_backend(module: FP8StateMixin, ctx: autocast.FP8Context, inp: torch.Tensor,
+                macs: int) -> str | None:
+    """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
+    backend = resolve_backend(ctx.gemm_backend, inp.device)
+    return None if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs) else backend
+
+
+def as_2d(inp: torch.Tensor) -> torch.Tensor:
+    """``(..., k)`` as ``(tokens, k)``, a view where the layout allows (never a copy of 2-D).
+
+    A 2-D input is returned as it is: even a no-op view costs host time on the hot path.
+    """
+    return inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+
+
+def like_input(out_2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """A ``(tokens, n)`` result shaped ``(..., n)`` like ``inp``'s leading dimensions."""
+    return out_2d if inp.dim() == 2 else out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
 
 
 def _cast_slot(

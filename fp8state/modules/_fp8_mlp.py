@@ -24,10 +24,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
-from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
+from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
-from fp8state.modules._fp8_linear import _cast_slot, _cast_weight
+from fp8state.modules._fp8_linear import (
+    _cast_slot,
+    _cast_weight,
+    as_2d,
+    fp8_backend,
+    like_input,
+)
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = ["gelu_mlp"]
@@ -51,17 +57,16 @@ def gelu_mlp(
     ctx = autocast.active_context()
     if ctx is None or not ctx.enabled:
         return None
-    backend = resolve_backend(ctx.gemm_backend, inp.device)
     tokens = inp.numel() // inp.shape[-1]
     smallest = tokens * min(fc1_weight.shape[0] * fc1_weight.shape[1],
                             fc2_weight.shape[0] * fc2_weight.shape[1])
-    if smallest < min_gemm_macs(backend, module.fp8_min_gemm_macs):
+    backend = fp8_backend(module, ctx, inp, smallest)
+    if backend is None:
         return None
     autocast.register_forward(module, ctx)
-    inp_2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
-    out = _FP8GeluMLP.apply(inp_2d, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, ctx,
-                            backend, is_first_microbatch)
-    return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+    out = _FP8GeluMLP.apply(as_2d(inp), fc1_weight, fc1_bias, fc2_weight, fc2_bias, module,
+                            ctx, backend, is_first_microbatch)
+    return like_input(out, inp)
 
 
 class _FP8GeluMLP(torch.autograd.Function):
