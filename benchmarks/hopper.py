@@ -198,14 +198,28 @@ def bench_metadata(device, args) -> dict[str, float]:
         pending.add(m, recipe, None)
     update_ms = time_ms(lambda: reduce_and_update("fwd", pending), device, 2, 10)
     # Context for the two rows above: the same container of plain nn.Linear (PyTorch's own
-    # per-module cost, including load_state_dict's per-child filtering of the whole dict).
-    plain = nn.ModuleList(nn.Linear(16, 16, device=device) for _ in range(args.modules))
-    plain_state = plain.state_dict()
-    plain_sd_ms = time_ms(plain.state_dict, device, 1, 5)
-    plain_load_ms = time_ms(lambda: plain.load_state_dict(plain_state), device, 1, 5)
+    # per-module cost, including load_state_dict's per-child filtering of the whole dict), and
+    # of nn.Linear with a trivial extra state (the same three keys per module as fp8state's).
+    floors = {}
+    for name, cls in (("plain_linear", nn.Linear), ("extra_state_linear", _ExtraStateLinear)):
+        plain = nn.ModuleList(cls(16, 16, device=device) for _ in range(args.modules))
+        plain_state = plain.state_dict()
+        floors[f"{name}_state_dict_ms"] = time_ms(plain.state_dict, device, 1, 5)
+        floors[f"{name}_load_state_dict_ms"] = time_ms(
+            lambda plain=plain, plain_state=plain_state: plain.load_state_dict(plain_state),
+            device, 1, 5)
     return {"state_dict_ms": sd_ms, "load_state_dict_ms": load_ms, "scale_update_ms": update_ms,
-            "plain_linear_state_dict_ms": plain_sd_ms,
-            "plain_linear_load_state_dict_ms": plain_load_ms}
+            **floors}
+
+
+class _ExtraStateLinear(nn.Linear):
+    """nn.Linear with a one-tensor extra state that loads as nothing: PyTorch's floor."""
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"x": torch.zeros(())}
+
+    def set_extra_state(self, state: object) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,7 @@ from fp8state.scaling import shift_history
 
 __all__ = [
     "CAST_OPS", "apply_op", "cast_and_record", "cast_slot", "fused_kernel_available",
-    "kernels_available",
+    "kernels_available", "transpose_fp8",
 ]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,6 +47,16 @@ def fused_kernel_available(x: torch.Tensor) -> bool:
 def kernels_available(device: torch.device) -> bool:
     """Whether fp8state's Triton kernels (updates, gathers) run for tensors on ``device``."""
     return device.type == "cuda" and _triton_installed()
+
+
+def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
+    """``x.t().contiguous()`` of a 2-D FP8 tensor, with one Triton kernel on CUDA."""
+    if (x.is_cuda and x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
+            and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed()):
+        from fp8state.kernels.triton_transpose import transpose_bytes
+
+        return transpose_bytes(x)
+    return x.t().contiguous()
 
 
 def cast_and_record(

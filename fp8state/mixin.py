@@ -371,7 +371,7 @@ class FP8StateMixin(nn.Module):
 
     def _fp8_apply(self, state: FP8State) -> None:
         meta_io.apply_to(self, state)
-        self._fp8_mutations += 1
+        self.__dict__["_fp8_mutations"] += 1  # not nn.Module.__setattr__: once per module
         bump_buffer_generation()
 
     def _load_from_state_dict(

@@ -25,6 +25,28 @@ def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
     assert KEYS <= result.keys()
     assert all(v > 0 for v in result["linear_speedup"].values())
     assert result["command"] == "python benchmarks/hopper.py --quick"
+    floors = {f"{name}_{what}_ms" for name in ("plain_linear", "extra_state_linear")
+              for what in ("state_dict", "load_state_dict")}
+    assert floors <= result["details"]["metadata"].keys()
+
+
+def test_peak_memory_replay_finds_the_blocks_alive_at_the_peak() -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.peak_memory import peak_blocks
+    finally:
+        sys.path.remove(str(ROOT))
+    events = [
+        {"action": "alloc", "addr": 1, "size": 10},
+        {"action": "alloc", "addr": 2, "size": 5},
+        {"action": "free_requested", "addr": 1, "size": 10},
+        {"action": "free_requested", "addr": 99, "size": 64},  # allocated before recording
+        {"action": "alloc", "addr": 3, "size": 7},
+        {"action": "free_completed", "addr": 1, "size": 10},
+    ]
+    peak, blocks = peak_blocks(events)
+    assert peak == 15
+    assert [b["addr"] for b in blocks] == [1, 2]  # largest first
 
 
 def test_docs_benchmarks_table_matches_the_recorded_run() -> None:

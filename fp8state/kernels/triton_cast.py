@@ -137,8 +137,8 @@ def _cast_kernel(
         tl.atomic_max(hist_ptr + slot, amax)
 
 
-def default_config(rows: int, cols: int, transpose: bool,
-                   op: str = "identity") -> tuple[int, int, int, int]:
+def default_config(rows: int, cols: int, transpose: bool, op: str = "identity",
+                   column_sums: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, column_split)`` for an ``(rows, cols)`` tensor.
 
     Measured on an H200 with benchmarks/profile_linear.py (16384x4096 and 16384x16384 bf16).
@@ -146,9 +146,11 @@ def default_config(rows: int, cols: int, transpose: bool,
     bandwidth. With it, (64, 128, 4, 8) moves 3.4-3.5 TB/s (whole-row programs: 2.4):
     taller blocks write longer runs of each transposed column and the column split gives every
     SM several programs. GELU's derivative (two inputs) likes 8 warps, GELU itself (more
-    arithmetic per byte) smaller tiles. Smaller tensors get fewer rows per program.
+    arithmetic per byte) smaller tiles. Smaller tensors get fewer rows per program. Column sums
+    take the transposed shapes either way: their float32 partials hold one row per row block
+    (8-row blocks of a 16384x16384 gradient: 128 MiB more at backward's peak, 64-row: 16).
     """
-    if not transpose:
+    if not transpose and not column_sums:
         block_m, block_n, warps, split = 8, 256, 8, 1
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
@@ -248,10 +250,11 @@ def _scratch(device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str,
+def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str, column_sums: bool,
           config: tuple[int, int, int, int] | None) -> tuple[Any, ...]:
     """Everything about a launch that depends on shapes only (cached: this runs per cast)."""
-    block_m, block_n, warps, split = config or default_config(m, n, transpose, op)
+    block_m, block_n, warps, split = config or default_config(m, n, transpose, op,
+                                                              column_sums)
     cols_per_program = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, cols_per_program))
     slots_block = triton.next_power_of_2(max(n_slots, 2))
@@ -269,7 +272,7 @@ def _launch(
     m, n = x_2d.shape
     device = x_2d.device
     grid, block_m, block_n, warps, cols_per_program, slots_block, specs = _plan(
-        m, n, transpose, n_slots, op, config)
+        m, n, transpose, n_slots, op, column_sums, config)
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale

@@ -6,7 +6,9 @@ after. Here the cast kernel computes GELU (forward) and ``grad * gelu'(h)`` (bac
 same pass that quantizes, transposes, records the amax and sums the bias gradient: two passes
 over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
 allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
-output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used.
+output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used; the
+GELU gradient's FP8 transpose is made only after ``h`` is dropped, which keeps the peak below
+bf16's (docs/benchmarks.md).
 
 Slots and amaxes are those of the per-GEMM path (fc1 = GEMM 0, fc2 = GEMM 1). The one
 difference in numbers: GELU's output is quantized from float32 instead of from its rounding to
@@ -25,6 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
 from fp8state.backends import fp8_gemm
+from fp8state.cast import transpose_fp8
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules._fp8_linear import (
@@ -157,14 +160,18 @@ class _FP8GeluMLP(torch.autograd.Function):
         d_act, _ = fp8_gemm(g_fp8, g_inv, w2_fp8_t.t(), w2_inv, inp_dtype, backend)
         del g_fp8, w2_fp8_t
         need_b1 = b1_dtype is not None and needs[2]
-        dh_fp8, dh_fp8_t, dh_inv, dh_sums = _cast_slot(
-            module, "bwd", bwd_slot(0, BwdSlot.GRAD_OUTPUT), d_act, bwd_dtype, needs[1],
+        # No transposed copy from this cast: its two FP8 outputs (tokens x ffn each) beside h
+        # and fc2's input gradient would set the block's peak memory. The transpose is made
+        # from the FP8 copy once those two are freed (one more pass over one byte per element).
+        dh_fp8, _, dh_inv, dh_sums = _cast_slot(
+            module, "bwd", bwd_slot(0, BwdSlot.GRAD_OUTPUT), d_act, bwd_dtype, False,
             column_sums=need_b1, op="dgelu", aux=h)
         del d_act, h
         if needs[0]:  # input: (M, ffn) @ (ffn, hidden)
             grads[0], _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)
         if needs[1]:  # fc1 weight: (ffn, M) @ (M, hidden)
-            assert dh_fp8_t is not None  # cast with transpose=needs[1]
+            dh_fp8_t = transpose_fp8(dh_fp8)
+            del dh_fp8
             grads[1], _ = fp8_gemm(dh_fp8_t, dh_inv, x_fp8_t.t(), x_inv, w1_dtype, backend)
         if need_b1:
             assert dh_sums is not None  # cast with column_sums=need_b1
