@@ -13,9 +13,9 @@ import argparse
 from typing import Any
 
 import torch
+from hopper import fwd_bwd  # the benchmark's step (benchmarks/ is on sys.path)
 
 import fp8state
-from benchmarks.hopper import fwd_bwd
 
 
 def _where(event: dict[str, Any]) -> str:

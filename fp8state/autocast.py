@@ -188,7 +188,7 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
             _THREAD.stack.pop()
             if not _THREAD.stack:
                 pending, _THREAD.fwd_pending = _THREAD.fwd_pending, None
-                if pending is not None:
+                if pending is not None and pending.groups:  # not for a step without FP8
                     reduce_and_update("fwd", pending)
         finally:
             self._entered = False

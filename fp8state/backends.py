@@ -57,6 +57,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     Raises:
         ConfigError: ``requested`` is unknown, or ``"scaled_mm"`` where it cannot run.
     """
+    resolved = _RESOLVED.get((requested, device))
+    if resolved is not None:  # this runs for every GEMM: a device's answer never changes
+        return resolved
     if requested not in BACKENDS:
         raise ConfigError(
             "gemm_backend", repr(requested), f"one of {BACKENDS}", "Pass gemm_backend='auto'."
@@ -70,7 +73,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             "a CUDA device with compute capability >= 8.9",
             "Use gemm_backend='auto' or 'emulated' on this device.",
         )
-    return "scaled_mm" if ok else "emulated"
+    resolved = _RESOLVED[requested, device] = "scaled_mm" if ok else "emulated"
+    return resolved
+
+
+_RESOLVED: dict[tuple[str, torch.device], str] = {}
 
 
 def min_gemm_macs(backend: str, override: int | None) -> int:

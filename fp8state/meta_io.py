@@ -75,9 +75,12 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
         )
     rows = max(rows_ck, rows_mod)
     if rows_ck == rows_mod and module.fp8_meta("fwd").scale.device.type != "meta":
-        # The common case: every buffer keeps its shape and device.
-        _copy_all([t for d in DIRECTIONS for t in module.fp8_meta(d)],
-                  [getattr(state.direction(d), f) for d in DIRECTIONS for f in _FIELDS])
+        # The common case: every buffer keeps its shape and device. One call for the six
+        # (on an H200 host this beat one pinned block per module: the pinned allocation and
+        # the concatenation cost more than the five transfers they save).
+        torch._foreach_copy_([t for d in DIRECTIONS for t in module.fp8_meta(d)],
+                             [getattr(state.direction(d), f) for d in DIRECTIONS
+                              for f in _FIELDS])
     else:
         _replace_buffers(module, state, rows)
     if state.recipe != module.fp8_recipe:
@@ -85,23 +88,6 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
     # __dict__, not nn.Module.__setattr__: this runs once per module of a loaded model.
     module.__dict__["_fp8_new_step"] = {d: True for d in DIRECTIONS}
     module.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
-
-
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``target.copy_(source)`` for each pair, with one host-to-device transfer at most."""
-    device = targets[0].device
-    if device.type == "cuda" and all(src.is_cpu for src in sources):
-        # Six copies from pageable memory are six synchronous transfers; one pinned block
-        # goes over asynchronously (PyTorch keeps the block until the copy is done).
-        with torch.cuda.device(device):
-            host = torch.empty(sum(t.numel() for t in targets), dtype=torch.float32,
-                               pin_memory=True)
-            torch.cat([src.reshape(-1) for src in sources], out=host)
-            flat = host.to(device, non_blocking=True)
-        sources = [part.view(t.shape)
-                   for part, t in zip(flat.split([t.numel() for t in targets]), targets,
-                                      strict=True)]
-    torch._foreach_copy_(targets, sources)
 
 
 def _replace_buffers(module: FP8StateMixin, state: FP8State, rows: int) -> None:

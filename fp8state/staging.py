@@ -3,23 +3,21 @@
 ``model.state_dict()`` asks each FP8 module for its extra state in turn; transferring each
 module's six small tensors separately costs one device synchronization per module (161 ms for
 1000 modules on an H200). Instead, the first request stages the metadata of every live FP8
-module on that device with one concatenation and one transfer, then hands each module its
-payload when it asks.
+module on that device with one gather and one transfer, then hands each module its payload
+when it asks.
 
 A staged payload is handed out once, and only while it is still exact: the module's mutation
 counter (bumped by every record, update, load and buffer replacement through the mixin) and
-the version counters and identities of its six buffers (bumped by any in-place edit) must be
-unchanged since staging. Otherwise the module packs afresh. So a state dict taken right after
-training continues is always current, and one taken earlier never changes (its tensors are CPU
-copies).
+the version counters and identities of its six buffers (bumped by any in-place edit, except
+one made through ``.data``, which PyTorch does not count) must be unchanged since staging.
+Otherwise the module packs afresh. So a state dict taken right after training continues is
+always current, and one taken earlier never changes (its tensors are CPU copies).
 
-The payloads of one staging share one new CPU block (pageable, not pinned): each module's
-tensors are views into it, made by one ``unbind`` per buffer kind for all modules of the same
-shapes, since creating tens of thousands of tensors one Python call at a time cost more than
-the transfer. ``torch.save(model.state_dict())`` writes every byte once; saving a subset of
-the state dict writes the whole block, the FP8 metadata of every module staged with it (20 KB
-per Linear with history 1024): clone the payloads first to save them apart
-(docs/checkpoints.md).
+Each module's float32 payload tensors share one small CPU storage of their own (a slice of
+the staged host block), so ``torch.save`` of one module's state, or of one model's while other
+models live in the process (an EMA copy, a teacher), writes only those modules' bytes (plus
+40 bytes per staged module of recipe integers, which share one column per key). From a GPU,
+a payload kept alive keeps the whole host block alive (about 20 KB per staged Linear).
 """
 
 from __future__ import annotations
@@ -66,7 +64,7 @@ def register(module: FP8StateMixin) -> None:
 def _buffers_of(module: FP8StateMixin) -> list[torch.Tensor]:
     # _buffers directly: nn.Module.__getattr__ is slow, and this runs per module.
     buffers = module._buffers
-    return [cast(torch.Tensor, buffers[name]) for name in BUFFER_NAMES]
+    return cast(list[torch.Tensor], [buffers[name] for name in BUFFER_NAMES])
 
 
 def _stamp(module: FP8StateMixin, bufs: list[torch.Tensor]) -> tuple[object, ...]:
@@ -119,28 +117,15 @@ def stage(device: torch.device) -> None:
 def _stage(device: torch.device) -> None:
     for key in [key for key, entry in _STAGED.items() if entry[1] == device]:
         del _STAGED[key]  # another device's entries stay (a split model is visited in turns)
-    groups: dict[tuple[torch.Size, ...], list[tuple[FP8StateMixin, list[torch.Tensor]]]] = {}
+    members: list[tuple[FP8StateMixin, list[torch.Tensor]]] = []
     for module in list(_LIVE):
-        if module._fp8_num_gemms is None:
-            continue
-        bufs = _buffers_of(module)
-        if bufs[1].device == device:
-            groups.setdefault(tuple(t.shape for t in bufs), []).append((module, bufs))
-    if not groups:
+        if module._fp8_num_gemms is not None:
+            bufs = _buffers_of(module)
+            if bufs[1].device == device:
+                members.append((module, bufs))
+    if not members:
         return
-    # Kind-major within each group of equal shapes: all modules' forward histories, then all
-    # forward scales, ... so that one unbind() per kind makes every module's view at once.
-    members = [member for group in groups.values() for member in group]
-    kinds = [(shapes[k], [bufs[k] for _, bufs in group])
-             for shapes, group in groups.items() for k in range(len(BUFFER_NAMES))]
-    host = _to_host(device, [m for m, _ in members], kinds)
-    per_kind: list[list[torch.Tensor]] = [[] for _ in BUFFER_NAMES]
-    offset = 0
-    for i, (shape, tensors) in enumerate(kinds):
-        size = len(tensors) * shape.numel()
-        per_kind[i % len(BUFFER_NAMES)].extend(
-            host[offset:offset + size].view(len(tensors), *shape).unbind(0))
-        offset += size
+    blocks = _module_blocks(device, members)
     rows: dict[object, list[int]] = {}  # most models have one recipe: build its row once
     scalars = torch.tensor(
         [rows.get(r) or rows.setdefault(r, [SCHEMA_VERSION, *r.to_scalars().values()])
@@ -149,35 +134,58 @@ def _stage(device: torch.device) -> None:
     )
     # One unbind per scalar key, not five 0-d tensors per module.
     columns = [column.unbind() for column in scalars.t().contiguous()]
-    for (module, bufs), *values in zip(members, columns[0], *per_kind, *columns[1:],
-                                       strict=True):
-        _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs),
-                               dict(zip(_NAMES, values, strict=True)))
+    # The two history shapes fix all six (scales have as many slots as history columns).
+    sizes: dict[tuple[torch.Size, torch.Size], list[int]] = {}
+    for (module, bufs), block, version, *recipe in zip(members, blocks, *columns,
+                                                       strict=True):
+        fwd_hist, bwd_hist = bufs[0].shape, bufs[3].shape
+        split = sizes.get((fwd_hist, bwd_hist))
+        if split is None:
+            split = sizes[fwd_hist, bwd_hist] = [t.numel() for t in bufs]
+        fh, fs, fi, bh, bs, bi = block.split_with_sizes(split)
+        payload = dict(zip(_NAMES, (version, fh.view(fwd_hist), fs, fi, bh.view(bwd_hist), bs,
+                                    bi, *recipe), strict=True))
+        _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs), payload)
 
 
-def _to_host(device: torch.device, modules: list[FP8StateMixin],
-             kinds: list[tuple[torch.Size, list[torch.Tensor]]]) -> torch.Tensor:
-    """Every tensor of ``kinds``, in order, flattened into one new CPU float32 tensor."""
-    total = sum(len(tensors) * shape.numel() for shape, tensors in kinds)
-    if not kernels_available(device):
-        flat = torch.empty(total, dtype=torch.float32, device=device)
-        offset = 0
-        for shape, tensors in kinds:  # one stack per kind, not one copy per tensor
-            size = len(tensors) * shape.numel()
-            torch.stack(tensors, out=flat[offset:offset + size].view(len(tensors), *shape))
-            offset += size
-        if device.type != "cuda":  # the CPU itself, or a device without pinned transfers
-            return flat if device.type == "cpu" else flat.cpu()
+def _module_blocks(device: torch.device,
+                   members: list[tuple[FP8StateMixin, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Per module, a new flat CPU float32 tensor with its six buffers in order."""
+    if device.type == "cpu":  # one concatenation per module beats one of them all here
+        return [torch.cat([t.reshape(-1) for t in bufs]) for _, bufs in members]
+    tensors = [t for _, bufs in members for t in bufs]
+    if kernels_available(device):
+        flat = _gather(device, [m for m, _ in members], tensors)
     else:
-        flat = _gather(device, modules, [t for _, tensors in kinds for t in tensors])
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+    if device.type != "cuda":  # a device without pinned transfers
+        return _own_storages(flat.cpu(), members)
     # On the metadata's own device: pinned memory and events bind to the current device,
     # which may be another GPU that this process must not touch.
     with torch.cuda.device(device):
-        pinned = torch.empty(total, dtype=torch.float32, pin_memory=True)
+        pinned = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
         pinned.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         done.synchronize()  # this copy only: no device-wide synchronization
-    # Pageable memory of its own: a state dict kept for long must not pin host memory, and
-    # the pinned block goes back to PyTorch's cache for the next state_dict().
-    return torch.empty(total, dtype=torch.float32).copy_(pinned)
+    # Pageable memory: the pinned block goes back to PyTorch's cache for the next staging.
+    host = torch.empty(pinned.shape, dtype=torch.float32, device="cpu")
+    return _own_storages(host.copy_(pinned), members)
+
+
+def _own_storages(host: torch.Tensor,
+                  members: list[tuple[FP8StateMixin, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Per module, its part of ``host`` as a tensor on a storage of its own.
+
+    A slice of an untyped storage shares the memory (keeping the whole block alive) but is a
+    storage of its own size: ``torch.save`` writes only those bytes, with no copy and no
+    allocation per module.
+    """
+    storage = host.untyped_storage()
+    blocks = []
+    start = 0
+    for _, bufs in members:
+        end = start + sum([t.numel() for t in bufs]) * 4  # float32 bytes
+        blocks.append(torch.empty(0, dtype=torch.float32, device="cpu").set_(storage[start:end]))
+        start = end
+    return blocks

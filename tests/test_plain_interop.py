@@ -76,6 +76,8 @@ def test_separate_metadata_is_flat_tensors_keyed_by_module() -> None:
     assert "blocks.0.qkv._extra_state.fwd.scale" in metadata
     for key, value in expected.items():
         assert metadata[key].dtype == value.dtype and torch.equal(metadata[key], value), key
+    for key, value in metadata.items():  # each its own bytes: torch.save writes no more
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), key
 
 
 def test_weights_and_metadata_round_trip_through_safetensors_exactly(tmp_path: Path) -> None:

@@ -67,6 +67,8 @@ class _Exporter:
                 "Materialize and load the model's weights before exporting them.",
             )
         tensor = value.detach().to("cpu").contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()  # a view into a larger block: keep only its own bytes
         storage = tensor.untyped_storage().data_ptr()
         if storage in self._storages:  # tied weights: safetensors refuses shared storage
             tensor = tensor.clone()
