@@ -73,7 +73,9 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             "a CUDA device with compute capability >= 8.9",
             "Use gemm_backend='auto' or 'emulated' on this device.",
         )
-    resolved = _RESOLVED[requested, device] = "scaled_mm" if ok else "emulated"
+    resolved = "scaled_mm" if ok else "emulated"
+    if device.type != "cuda" or device.index is not None:  # "cuda" alone: the current one
+        _RESOLVED[requested, device] = resolved
     return resolved
 
 

@@ -126,11 +126,13 @@ def pack(state: FP8State) -> Payload:
             chunk.view(p.shape).clone()
             for chunk, p in zip(flat.split([p.numel() for p in parts]), parts, strict=True)
         ]
-    payload: Payload = {"schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64)}
+    # device="cpu": a `with torch.device(...)` default must not move the payload.
+    payload: Payload = {"schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64,
+                                                       device="cpu")}
     names = [f"{d}.{f}" for d in DIRECTIONS for f in _TENSOR_FIELDS]
     payload.update(zip(names, host, strict=True))
     for field, value in state.recipe.to_scalars().items():
-        payload[f"recipe.{field}"] = torch.tensor(value, dtype=torch.int64)
+        payload[f"recipe.{field}"] = torch.tensor(value, dtype=torch.int64, device="cpu")
     return payload
 
 

@@ -130,7 +130,7 @@ def _stage(device: torch.device) -> None:
     scalars = torch.tensor(
         [rows.get(r) or rows.setdefault(r, [SCHEMA_VERSION, *r.to_scalars().values()])
          for r in (m._fp8_recipe for m, _ in members)],
-        dtype=torch.int64,
+        dtype=torch.int64, device="cpu",  # not a `with torch.device(...)` default
     )
     # One unbind per scalar key, not five 0-d tensors per module.
     columns = [column.unbind() for column in scalars.t().contiguous()]
@@ -181,11 +181,11 @@ def _own_storages(host: torch.Tensor,
     storage of its own size: ``torch.save`` writes only those bytes, with no copy and no
     allocation per module.
     """
-    storage = host.untyped_storage()
+    storage, itemsize = host.untyped_storage(), host.element_size()
     blocks = []
-    start = 0
+    start = host.storage_offset() * itemsize
     for _, bufs in members:
-        end = start + sum([t.numel() for t in bufs]) * 4  # float32 bytes
-        blocks.append(torch.empty(0, dtype=torch.float32, device="cpu").set_(storage[start:end]))
+        end = start + sum([t.numel() for t in bufs]) * itemsize
+        blocks.append(torch.empty(0, dtype=host.dtype, device="cpu").set_(storage[start:end]))
         start = end
     return blocks

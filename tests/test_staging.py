@@ -140,7 +140,8 @@ def test_own_storages_are_slices_that_save_only_their_bytes() -> None:
     model = _model(3)
     members = [(m, staging._buffers_of(m)) for m in model]
     host = torch.cat([t.reshape(-1) for _, bufs in members for t in bufs])
-    blocks = staging._own_storages(host.clone(), members)
+    padded = torch.cat([torch.full((5,), -1.0), host])  # a host view that starts mid-storage
+    blocks = staging._own_storages(padded[5:], members)
     offset = 0
     for (_, bufs), block in zip(members, blocks, strict=True):
         size = sum(t.numel() for t in bufs)
@@ -151,6 +152,18 @@ def test_own_storages_are_slices_that_save_only_their_bytes() -> None:
         torch.save(block, buf)
         assert buf.tell() < size * 4 + 2048  # its own bytes, not the block's
         offset += size
-    del host
+    del host, padded
     assert torch.equal(blocks[-1], torch.cat([t.reshape(-1) for t in members[-1][1]]))
+
+
+def test_state_dict_under_a_default_device_context_stays_on_the_cpu() -> None:
+    model = _model(3)
+    with torch.device("meta"):  # e.g. while building the next model
+        sd = model.state_dict()
+    for key, value in sd.items():
+        if key.endswith("_extra_state"):
+            assert {t.device.type for t in value.values()} == {"cpu"}, key
+    other = _model(3)
+    other.load_state_dict(sd)
+    _assert_payload_equal(other[0].get_extra_state(), sd["0._extra_state"])
 
