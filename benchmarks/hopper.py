@@ -190,13 +190,7 @@ def bench_metadata(device, args) -> dict[str, float]:
         with fp8state.fp8_autocast():
             out = sum(m(x).sum() for m in model)
         out.backward()
-    # Python's cyclic collector, left with the garbage of the runs before, would otherwise
-    # land its full collections in some samples: collect first, and take more samples.
-    gc.collect()
-    sd_ms = time_ms(model.state_dict, device, 2, 11)
-    state = model.state_dict()
-    gc.collect()
-    load_ms = time_ms(lambda: model.load_state_dict(state), device, 2, 11)
+    sd_ms, load_ms = _state_dict_round_ms(model, device)
     pending = PendingSteps()
     recipe = fp8state.DelayedScaling()
     for m in model:
@@ -208,15 +202,21 @@ def bench_metadata(device, args) -> dict[str, float]:
     floors = {}
     for name, cls in (("plain_linear", nn.Linear), ("extra_state_linear", _ExtraStateLinear)):
         plain = nn.ModuleList(cls(16, 16, device=device) for _ in range(args.modules))
-        plain_state = plain.state_dict()
-        gc.collect()
-        floors[f"{name}_state_dict_ms"] = time_ms(plain.state_dict, device, 2, 11)
-        gc.collect()
-        floors[f"{name}_load_state_dict_ms"] = time_ms(
-            lambda plain=plain, plain_state=plain_state: plain.load_state_dict(plain_state),
-            device, 2, 11)
+        (floors[f"{name}_state_dict_ms"],
+         floors[f"{name}_load_state_dict_ms"]) = _state_dict_round_ms(plain, device)
     return {"state_dict_ms": sd_ms, "load_state_dict_ms": load_ms, "scale_update_ms": update_ms,
             **floors}
+
+
+def _state_dict_round_ms(model: nn.Module, device: torch.device) -> tuple[float, float]:
+    """Median ms of ``model.state_dict()`` and of loading its result back."""
+    # Python's cyclic collector, left with the garbage of the runs before, would otherwise
+    # land its full collections in some samples: collect first, and take more samples.
+    gc.collect()
+    sd_ms = time_ms(model.state_dict, device, 2, 11)
+    state = model.state_dict()
+    gc.collect()
+    return sd_ms, time_ms(lambda: model.load_state_dict(state), device, 2, 11)
 
 
 class _ExtraStateLinear(nn.Linear):

@@ -36,12 +36,15 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _kernel_layout(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tensor fp8state's 2-D Triton kernels take (any dtype)."""
+    return (x.is_cuda and x.dim() == 2 and x.is_contiguous()
+            and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed())
+
+
 def fused_kernel_available(x: torch.Tensor) -> bool:
     """Whether :func:`cast_and_record` runs the fused Triton kernel for ``x``."""
-    return (
-        x.is_cuda and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous()
-        and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed()
-    )
+    return x.dtype in _KERNEL_DTYPES and _kernel_layout(x)
 
 
 def kernels_available(device: torch.device) -> bool:
@@ -51,8 +54,7 @@ def kernels_available(device: torch.device) -> bool:
 
 def transpose_fp8(x: torch.Tensor) -> torch.Tensor:
     """``x.t().contiguous()`` of a 2-D FP8 tensor, with one Triton kernel on CUDA."""
-    if (x.is_cuda and x.dim() == 2 and x.element_size() == 1 and x.is_contiguous()
-            and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed()):
+    if x.element_size() == 1 and _kernel_layout(x):
         from fp8state.kernels.triton_transpose import transpose_bytes
 
         return transpose_bytes(x)

@@ -73,7 +73,6 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
             f"to {max(rows_ck, rows_mod)} rows, nothing dropped.",
             stacklevel=5,
         )
-    rows = max(rows_ck, rows_mod)
     if rows_ck == rows_mod and module.fp8_meta("fwd").scale.device.type != "meta":
         # The common case: every buffer keeps its shape and device. One call for the six
         # (on an H200 host this beat one pinned block per module: the pinned allocation and
@@ -82,7 +81,7 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
                              [getattr(state.direction(d), f) for d in DIRECTIONS
                               for f in _FIELDS])
     else:
-        _replace_buffers(module, state, rows)
+        _replace_buffers(module, state)
     if state.recipe != module.fp8_recipe:
         module.fp8_recipe = state.recipe
     # __dict__, not nn.Module.__setattr__: this runs once per module of a loaded model.
@@ -90,10 +89,11 @@ def apply_to(module: FP8StateMixin, state: FP8State) -> None:
     module.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
 
 
-def _replace_buffers(module: FP8StateMixin, state: FP8State, rows: int) -> None:
-    """Copy ``state`` into new buffers of ``rows`` rows (other rows, or a module on meta)."""
+def _replace_buffers(module: FP8StateMixin, state: FP8State) -> None:
+    """Copy ``state`` into buffers as long as the longer history (new ones where needed)."""
     rows_ck = state.rows
     rows_mod = module.fp8_meta("fwd").amax_history.shape[0]
+    rows = max(rows_ck, rows_mod)
     for d in DIRECTIONS:
         src = state.direction(d)
         live = module.fp8_meta(d)
