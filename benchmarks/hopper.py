@@ -6,7 +6,8 @@ Usage (on an H200; the recorded run is benchmarks/results/h200.json)::
 
 ``--quick`` runs tiny shapes (on CPU too) so the script itself is tested in CI; its numbers mean
 nothing. Ratios are ``bf16 time / fp8state time`` (> 1: fp8state is faster), both measured in
-the same process on the same device.
+the same process on the same device: steady-state steps run back to back as in training
+(:func:`steady_pair_ms`), and, in ``details``, steps synchronized one by one (``synced_*``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,39 @@ def time_pair_ms(a: Callable[[], object], b: Callable[[], object], device: torch
     return statistics.median(times_a), statistics.median(times_b)
 
 
+def steady_pair_ms(a: Callable[[], object], b: Callable[[], object], device: torch.device,
+                   warmup: int, blocks: int, steps: int = 10) -> tuple[float, float]:
+    """Per-call times of ``a`` and ``b`` run back to back, as a training loop runs its steps.
+
+    Blocks of ``steps`` calls, alternately of ``a`` and of ``b``, each timed from its first
+    launch to its last kernel's end (CUDA events; wall clock on CPU) and synchronized only
+    there: the host queues the next step while the GPU runs this one, so neither side pays a
+    launch latency and a synchronization per step, which :func:`time_pair_ms` adds to both
+    (moving every ratio towards 1). Medians over the blocks.
+    """
+    for _ in range(warmup):
+        a()
+        b()
+    times_a, times_b = [], []
+    for _ in range(blocks):
+        times_a.append(_block_ms(a, device, steps))
+        times_b.append(_block_ms(b, device, steps))
+    return statistics.median(times_a), statistics.median(times_b)
+
+
+def _block_ms(fn: Callable[[], object], device: torch.device, steps: int) -> float:
+    if device.type != "cuda":
+        return _once_ms(lambda: [fn() for _ in range(steps)], device) / steps
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int
               ) -> float:
     """Device time per call of ``fn``, launched back to back (CUDA events), for one kernel.
@@ -119,9 +153,12 @@ def _ratio(bf16: nn.Module, fp8: nn.Module, tokens: int, k: int, n: int, device,
            ) -> dict[str, float | None]:
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
-    t_bf16, t_fp8 = time_pair_ms(fwd_bwd(bf16, x, grad, False), fwd_bwd(fp8, x, grad, True),
-                                 device, args.warmup, args.iters)
-    return {"bf16_ms": t_bf16, "fp8_ms": t_fp8, "ratio": t_bf16 / t_fp8}
+    steps = fwd_bwd(bf16, x, grad, False), fwd_bwd(fp8, x, grad, True)
+    t_bf16, t_fp8 = steady_pair_ms(*steps, device, args.warmup, args.iters)
+    # Also with a synchronization around every step (the previous records' measure).
+    s_bf16, s_fp8 = time_pair_ms(*steps, device, args.warmup, args.iters)
+    return {"bf16_ms": t_bf16, "fp8_ms": t_fp8, "ratio": t_bf16 / t_fp8,
+            "synced_bf16_ms": s_bf16, "synced_fp8_ms": s_fp8, "synced_ratio": s_bf16 / s_fp8}
 
 
 def bench_linear(shape, device, args) -> dict[str, float]:

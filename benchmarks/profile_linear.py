@@ -17,12 +17,19 @@ import fp8state
 from fp8state.kernels import triton_cast
 from fp8state.kernels.triton_cast import default_config
 
-# (BLOCK_M, BLOCK_N, num_warps, column_split) candidates for each layout.
+# (BLOCK_M, BLOCK_N, num_warps, split) candidates for each layout (transpose, column sums).
+_TILES = [(bm, bn, w) for bm in (16, 32, 64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
+          if 1024 <= bm * bn <= 16384]
 CONFIGS = {
-    False: [(8, 256, 8, 1), (16, 256, 8, 1), (8, 512, 8, 1), (8, 256, 4, 1), (8, 256, 8, 2)],
-    True: [(bm, bn, w, sp) for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8)
-           for sp in (1, 4, 8) if bm * bn <= 8192],
+    (False, False): [(8, 256, 8, 1), (16, 256, 8, 1), (8, 512, 8, 1), (8, 256, 4, 1),
+                     (8, 256, 8, 2)],
+    (True, False): [(bm, bn, w, sp) for bm, bn, w in _TILES for sp in (1, 2, 4, 8)],
 }
+# With column sums the split is along the rows: 8-64 programs per column tile.
+_SUM_TILES = [(16, 128, 4), (16, 128, 8), (16, 256, 8), (32, 64, 4), (32, 128, 4), (32, 128, 8),
+              (32, 256, 8), (64, 64, 4), (64, 64, 8), (64, 128, 8)]
+CONFIGS[False, True] = CONFIGS[True, True] = [(bm, bn, w, sp) for bm, bn, w in _SUM_TILES
+                                              for sp in (8, 16, 32, 64)]
 
 
 def _time_ms(fn, iters: int = 50) -> float:
@@ -48,6 +55,8 @@ def main() -> None:
                         "the input's shape)")
     parser.add_argument("--op", default="identity", choices=("identity", "gelu", "dgelu"),
                         help="what the swept cast computes before quantizing")
+    parser.add_argument("--column-sums", action="store_true",
+                        help="sweep the cast that also sums columns (a bias gradient)")
     args = parser.parse_args()
     tokens, k, n = map(int, args.shape.split("x"))
     if not args.sweep_only:
@@ -86,7 +95,10 @@ def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
 
 
 def sweep(args: argparse.Namespace, m: int, n: int) -> None:
-    """GB/s of the cast kernel per block configuration, with and without the transpose."""
+    """GB/s of the cast kernel per block configuration, with and without the transpose.
+
+    The default configuration is timed too, marked ``(default)``.
+    """
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     aux = torch.randn_like(x) if args.op == "dgelu" else None
     scale = torch.tensor([1.0], device="cuda")
@@ -94,13 +106,17 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
     for transpose in (False, True):
         moved = x.numel() * (2 + (2 if aux is not None else 0) + (2 if transpose else 1))
         results = []
-        for cfg in CONFIGS[transpose]:
+        default = default_config(m, n, transpose, args.op, args.column_sums)
+        for cfg in [default, *CONFIGS[transpose, args.column_sums]]:
             ms = _time_ms(lambda cfg=cfg, transpose=transpose: triton_cast._launch(
                 x, scale, scale, cell, 0, 1, torch.float8_e4m3fn, transpose, snapshot=False,
-                new_step=False, column_sums=False, op=args.op, aux=aux, config=cfg))
+                new_step=False, column_sums=args.column_sums, op=args.op, aux=aux,
+                config=cfg), iters=20)
             results.append((ms, cfg))
-        for ms, cfg in sorted(results)[:8]:
-            print(f"cast {args.op} {m}x{n} transpose={transpose} config={cfg}: "
+        ranked = sorted(results[1:])[:8]
+        for ms, cfg in [(results[0][0], f"{default} (default)"), *ranked]:
+            print(f"cast {args.op} {m}x{n} transpose={transpose} "
+                  f"column_sums={args.column_sums} config={cfg}: "
                   f"{ms * 1e3:.1f} us, "
                   f"{moved / ms / 1e6:.0f} GB/s")
 

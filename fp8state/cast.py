@@ -122,9 +122,9 @@ def cast_slot(
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         transpose: Also return the contiguous transpose.
         new_step: First record of the direction since its last scale update.
-        column_sums: Also return the column sums of what is cast (a bias gradient):
-            float32 from the kernel, the input's dtype on the reference path with
-            ``op="identity"`` (as ``Tensor.sum``), float32 otherwise.
+        column_sums: Also return the column sums of what is cast (a bias gradient), as
+            ``Tensor.sum`` does: in the input's dtype with ``op="identity"``, float32
+            otherwise (accumulated in float32 either way).
         op: What is cast, in float32, without rounding to the input's dtype in between:
             ``"identity"``, ``"gelu"`` (tanh approximation) of ``x_2d``, or ``"dgelu"``:
             ``x_2d`` (a gradient) times GELU's derivative at ``aux``.

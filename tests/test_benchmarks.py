@@ -24,6 +24,9 @@ def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert KEYS <= result.keys()
     assert all(v > 0 for v in result["linear_speedup"].values())
+    # Steady-state (back-to-back) and per-step-synchronized timings, side by side.
+    for case in result["details"]["linear"].values():
+        assert {"ratio", "synced_ratio"} <= case.keys() and case["synced_ratio"] > 0
     assert result["command"] == "python benchmarks/hopper.py --quick"
     floors = {f"{name}_{what}_ms" for name in ("plain_linear", "extra_state_linear")
               for what in ("state_dict", "load_state_dict")}

@@ -7,8 +7,9 @@ launch can also open a new step (shift the history down one row first), copy the
 inverse scale for backward, sum the columns (a bias gradient), and cast GELU of the input or
 the input times GELU's derivative instead of the input itself (:data:`OPS`).
 
-Programs form a 2-D grid: ``BLOCK_M`` rows by a range of whole ``BLOCK_N`` column tiles each
-(:func:`default_config`), one atomic per program for the amax.
+Programs form a 2-D grid (:func:`default_config`): each takes one ``BLOCK_M``-row block and
+walks a range of its ``BLOCK_N`` column tiles, or, when it sums columns, one column tile and
+walks a range of its row blocks; one atomic per program for the amax.
 """
 
 from __future__ import annotations
@@ -85,42 +86,85 @@ def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_DIV: tl.constexp
     return x
 
 
+@triton.jit
+def _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows, cols, M, N, scale, fp8_max, running,
+               TRANSPOSE: tl.constexpr, OP: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Cast one ``rows x cols`` tile (and store its transpose).
+
+    Returns the tile's float32 values (0 where masked out: they add nothing to a sum) and
+    ``running``, the elementwise maximum of finite ``|value|`` so far.
+    """
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offsets = rows[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
+    ax = tl.abs(x)
+    running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
+    scaled = x * scale
+    # Saturate like torch.clamp, keeping NaN (hardware min/max would turn it into a bound).
+    y = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max))
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, y, mask=mask)
+    if TRANSPOSE:
+        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y),
+                 mask=tl.trans(mask))
+    return x, running
+
+
 @triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
 def _cast_kernel(
     x_ptr, aux_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr, hist_ptr, scratch_ptr,
-    colsum_ptr, slot, n_slots, hist_rows, M, N, cols_per_program, fp8_max,
+    sums_ptr, partial_ptr, count_ptr, slot, n_slots, hist_rows, M, N, span, fp8_max,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr, SLOTS: tl.constexpr,
-    CHUNK: tl.constexpr, OP: tl.constexpr, FAST_DIV: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, OP: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
-    # Program (pid_m, pid_n): BLOCK_M rows, a range of whole BLOCK_N column tiles.
-    # cols_per_program is a multiple of BLOCK_N and specialized (Triton then knows each tile
-    # starts aligned and vectorizes the loads; unspecialized, the cast ran at 2/3 the speed).
+    # span is a multiple of the block along the program's loop and specialized (Triton then
+    # knows each tile starts aligned and vectorizes the loads; unspecialized, the cast ran at
+    # 2/3 the speed).
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     scale = tl.load(scale_ptr + slot)
     if SNAPSHOT:  # the inverse scale as of this cast, for backward (the live one moves on)
         tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=(pid_m == 0) & (pid_n == 0))
     running = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = pid_n * cols_per_program
-    for start in range(first, tl.minimum(first + cols_per_program, N), BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offsets = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-        x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
-        if COLSUM:  # per-row-block column sums: a bias gradient without another pass
-            tl.store(colsum_ptr + pid_m * N + cols, tl.sum(x, axis=0), mask=cols < N)
-        ax = tl.abs(x)
-        running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
-        scaled = x * scale
-        # Saturate like torch.clamp, keeping NaN (hardware min/max would turn it into a bound).
-        y = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max))
-        y = y.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + offsets, y, mask=mask)
-        if TRANSPOSE:
-            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y),
-                     mask=tl.trans(mask))
+    if COLSUM:
+        # Program (pid_m, pid_n): one BLOCK_N column tile, ``span`` rows of it, walked down.
+        # The sums stay elementwise in registers and are reduced across rows once at the
+        # end: a cross-warp reduction per tile (programs walking along a row) halved the
+        # cast's bandwidth.
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        first = pid_m * span
+        for start in range(first, tl.minimum(first + span, M), BLOCK_M):
+            x, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr,
+                                    start + tl.arange(0, BLOCK_M), cols, M, N, scale, fp8_max,
+                                    running, TRANSPOSE, OP, FAST_DIV)
+            sums += x
+        part, in_cols = tl.sum(sums, axis=0), cols < N
+        if SPLIT_ROWS:
+            # Several programs per column tile: each leaves its partial row and counts itself
+            # done (acq_rel: the row is visible to whoever counts last); the last one adds the
+            # rows up in row order (bit-reproducible), reading past L1, and resets the tile's
+            # counter for the next launch on this stream. No reduction launched afterwards.
+            tl.store(partial_ptr + pid_m * N + cols, part, mask=in_cols)
+            if tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(0) - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for row in range(0, tl.num_programs(0)):
+                    total += tl.load(partial_ptr + row * N + cols, mask=in_cols, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(sums_ptr + cols, total.to(sums_ptr.dtype.element_ty), mask=in_cols)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
+        else:
+            tl.store(sums_ptr + cols, part.to(sums_ptr.dtype.element_ty), mask=in_cols)
+    else:
+        # Program (pid_m, pid_n): BLOCK_M rows, ``span`` columns of them in BLOCK_N tiles.
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = pid_n * span
+        for start in range(first, tl.minimum(first + span, N), BLOCK_N):
+            _, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows,
+                                    start + tl.arange(0, BLOCK_N), M, N, scale, fp8_max,
+                                    running, TRANSPOSE, OP, FAST_DIV)
     amax = tl.max(tl.max(running, axis=1), axis=0)
     if SHIFT:
         # First record of a step: the history must shift before row 0 takes this amax, and
@@ -139,18 +183,32 @@ def _cast_kernel(
 
 def default_config(rows: int, cols: int, transpose: bool, op: str = "identity",
                    column_sums: bool = False) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, column_split)`` for an ``(rows, cols)`` tensor.
+    """``(BLOCK_M, BLOCK_N, num_warps, split)`` for an ``(rows, cols)`` tensor.
 
-    Measured on an H200 with benchmarks/profile_linear.py (16384x4096 and 16384x16384 bf16).
-    Without the transpose, (8, 256, 8, 1) whole-row programs move 3.7-4.0 TB/s, the copy
-    bandwidth. With it, (64, 128, 4, 8) moves 3.4-3.5 TB/s (whole-row programs: 2.4):
-    taller blocks write longer runs of each transposed column and the column split gives every
-    SM several programs. GELU's derivative (two inputs) likes 8 warps, GELU itself (more
-    arithmetic per byte) smaller tiles. Smaller tensors get fewer rows per program. Column sums
-    take the transposed shapes either way: their float32 partials hold one row per row block
-    (8-row blocks of a 16384x16384 gradient: 128 MiB more at backward's peak, 64-row: 16).
+    ``split``: how many programs share one row block's columns, each walking its share
+    along the row; with ``column_sums``, how many share one column tile's rows, each walking
+    its share down the column (so its sums stay in registers until the end).
+
+    Measured on an H200 with ``benchmarks/profile_linear.py --sweep-only --cast-shape MxN
+    [--column-sums] [--op OP]`` (16384x4096 and 16384x16384 bf16). Without the transpose,
+    (8, 256, 8, 1) whole-row programs move 3.4-4.0 TB/s, the copy bandwidth. With it,
+    (64, 128, 4, 8) moves 3.1-3.5 TB/s (whole-row programs: 2.4): taller blocks write longer
+    runs of each transposed column and the column split gives every SM several programs.
+    GELU's derivative (two inputs) likes 8 warps, GELU itself (more arithmetic per byte)
+    smaller tiles. Smaller tensors get fewer rows per program. Column sums: eight programs
+    walk down each 64-column tile, 3.3 TB/s without the transpose and 2.3 with it (about
+    half that when programs walked along rows and reduced every tile across warps); GELU's
+    derivative with sums takes narrow tiles, sixteen programs each.
     """
-    if not transpose and not column_sums:
+    if column_sums:
+        if op == "dgelu":
+            block_m, block_n, warps, split = 16, 128, 8, 16
+        else:
+            block_m, block_n, warps, split = 64, 64, 4 if transpose else 8, 8
+        # Narrow tensors: more programs per tile, so that there are some 512 in all.
+        split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
+        return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
+    if not transpose:
         block_m, block_n, warps, split = 8, 256, 8, 1
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
@@ -178,7 +236,7 @@ def cast_transpose_amax(
         amax_cell: 1-element float32 tensor (a view into the history), >= 0; receives
             ``max(amax_cell, max(|x| over finite x))``.
         transpose: Also return the ``(N, M)`` contiguous transpose.
-        config: ``(BLOCK_M, BLOCK_N, num_warps, column_split)``; default from
+        config: ``(BLOCK_M, BLOCK_N, num_warps, split)``; default from
             :func:`default_config` (benchmarks/profile_linear.py sweeps the alternatives).
     """
     out, out_t, _, _ = _launch(x_2d, scale, scale, amax_cell, 0, 1, fp8_dtype, transpose,
@@ -213,8 +271,9 @@ def cast_slot(
         transpose: Also return the ``(N, M)`` contiguous transpose.
         new_step: This is the direction's first record since its last scale update: the
             history shifts down one row first (``scaling.shift_history``), in the same launch.
-        column_sums: Also return ``x_2d.sum(0)`` in float32 (a bias gradient), summed per
-            row block in the same pass, then over the blocks.
+        column_sums: Also return the column sums (a bias gradient), accumulated in float32
+            in the same pass and returned as ``Tensor.sum`` would: in ``x_2d``'s dtype for
+            ``op="identity"``, float32 for a computed value.
         op: What is cast, computed in float32 in the same pass: ``"identity"`` (``x_2d``),
             ``"gelu"`` (``gelu(x_2d)``, tanh approximation) or ``"dgelu"`` (``x_2d *
             gelu'(aux)``). Amax, transpose and column sums are of that value.
@@ -249,18 +308,43 @@ def _scratch(device: torch.device) -> torch.Tensor:
     return pair
 
 
+# Per device and stream: float32 room for the column sums' partial rows and one int32 counter
+# per column tile (each launch leaves its counters zeroed). A launch being captured into a
+# CUDA graph gets buffers of its own instead: replays keep the addresses they captured.
+_SUMS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _sum_scratch(device: torch.device, floats: int, tiles: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, raw_stream(index))
+    partial, counts = _SUMS.get(key) or (None, None)
+    if partial is None or partial.numel() < floats:
+        partial = torch.empty(floats, dtype=torch.float32, device=device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(tiles, dtype=torch.int32, device=device)
+    _SUMS[key] = partial, counts
+    return partial, counts
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str, column_sums: bool,
           config: tuple[int, int, int, int] | None) -> tuple[Any, ...]:
     """Everything about a launch that depends on shapes only (cached: this runs per cast)."""
     block_m, block_n, warps, split = config or default_config(m, n, transpose, op,
                                                               column_sums)
-    cols_per_program = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, cols_per_program))
+    if column_sums:  # each program walks ``span`` rows of one column tile
+        span = triton.cdiv(triton.cdiv(m, split), block_m) * block_m
+        grid = (triton.cdiv(m, span), triton.cdiv(n, block_n))
+    else:  # each program walks ``span`` columns of one row block
+        span = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, span))
     slots_block = triton.next_power_of_2(max(n_slots, 2))
-    specs = (block_m, block_n, warps, slots_block, int_spec(m), int_spec(n),
-             int_spec(cols_per_program))
-    return grid, block_m, block_n, warps, cols_per_program, slots_block, specs
+    specs = (block_m, block_n, warps, slots_block, int_spec(m), int_spec(n), int_spec(span))
+    return grid, block_m, block_n, warps, span, slots_block, specs
 
 
 def _launch(
@@ -271,25 +355,30 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     m, n = x_2d.shape
     device = x_2d.device
-    grid, block_m, block_n, warps, cols_per_program, slots_block, specs = _plan(
+    grid, block_m, block_n, warps, span, slots_block, specs = _plan(
         m, n, transpose, n_slots, op, column_sums, config)
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
     scratch = _scratch(device) if new_step else scale
-    partial = (torch.empty((grid[0], n), dtype=torch.float32, device=device) if column_sums
-               else scale)
+    split_rows = column_sums and grid[0] > 1
+    if column_sums:  # as Tensor.sum: the input's dtype, or float32 for a computed value
+        sums = torch.empty(n, dtype=x_2d.dtype if op == "identity" else torch.float32,
+                           device=device)
+        partial, counts = _sum_scratch(device, grid[0] * n, grid[1]) if split_rows else (
+            sums, sums)
+    else:
+        sums = partial = counts = scale
     rows = history.shape[0] if history.dim() == 2 else 1
     code = OPS[op]
     aux_t = aux if aux is not None else x_2d
     key = (specs, x_2d.dtype, aux_t.dtype, fp8_dtype, transpose, snapshot, new_step,
-           column_sums, code, ptr_aligned(x_2d), ptr_aligned(aux_t), ptr_aligned(scale),
-           ptr_aligned(scale_inv), ptr_aligned(history))
+           column_sums, split_rows, code, ptr_aligned(x_2d), ptr_aligned(aux_t),
+           ptr_aligned(scale), ptr_aligned(scale_inv), ptr_aligned(history), ptr_aligned(sums))
     _LAUNCHER(key, grid, (
-        x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, partial, slot,
-        n_slots, rows, m, n, cols_per_program, _FP8_MAX[fp8_dtype], block_m, block_n,
-        transpose, snapshot, new_step, column_sums, slots_block, max(1, 2048 // slots_block),
-        code, _FAST_DIV,
+        x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, sums, partial,
+        counts, slot, n_slots, rows, m, n, span, _FP8_MAX[fp8_dtype], block_m, block_n,
+        transpose, snapshot, new_step, column_sums, split_rows, slots_block,
+        max(1, 2048 // slots_block), code, _FAST_DIV,
     ), device, num_warps=warps)
-    return (out, (out_t if transpose else None), inv_out,
-            partial.sum(0) if column_sums else None)
+    return out, (out_t if transpose else None), inv_out, (sums if column_sums else None)

@@ -53,14 +53,58 @@ def test_matches_reference(rows, n, slot, shape, new_step) -> None:
 @pytest.mark.parametrize("shape", [(1, 16), (33, 80), (4096, 1000), (16384, 512)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_column_sums(shape, dtype) -> None:
-    """The bias gradient from the cast's pass: float32 sums over every row block."""
+    """The bias gradient from the cast's pass, in the input's dtype as ``Tensor.sum``'s."""
     x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
     hist, scale, scale_inv = (t.cuda() for t in _buffers(4, 2, 1))
     for transpose in (False, True):
         *_, sums = cast_slot(x, scale, scale_inv, hist, 0, torch.float8_e5m2,
                              transpose=transpose, new_step=False, column_sums=True)
-        assert sums is not None and sums.dtype == torch.float32
-        torch.testing.assert_close(sums, x.double().sum(0).float(), rtol=1e-5, atol=1e-3)
+        assert sums is not None and sums.dtype == dtype
+        # float32 accumulation, one rounding to the input's dtype at the end
+        exact = x.double().sum(0)
+        torch.testing.assert_close(sums.double(), exact.to(dtype).double(),
+                                   rtol=torch.finfo(dtype).eps, atol=1e-3)
+        # Launched again (counters reset, scratch reused): the same bits.
+        *_, again = cast_slot(x, scale, scale_inv, hist, 0, torch.float8_e5m2,
+                              transpose=transpose, new_step=False, column_sums=True)
+        assert torch.equal(again, sums)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (33, 80), (1000, 300), (4096, 1000)])
+@pytest.mark.parametrize("config", [None, (16, 64, 4, 1), (32, 128, 8, 3), (64, 32, 4, 64)])
+@pytest.mark.parametrize("new_step", [True, False])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_column_sum_programs_cast_like_the_others(shape, config, new_step, transpose) -> None:
+    """Programs that sum columns walk down a column tile instead of along a row block.
+
+    Whatever the split (including more programs than row blocks, and ragged edges), the FP8
+    copy, its transpose, the history and the snapshot equal those of the cast without sums.
+    The last program of each column tile adds the partial rows up in the kernel.
+    """
+    from fp8state.kernels import triton_cast
+
+    gen = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = (torch.randn(*shape, device="cuda", generator=gen) * 7).to(torch.bfloat16)
+    x.view(-1)[-1] = float("inf")  # not part of the amax, saturated in the copy
+    results = []
+    for sums in (True, False):
+        hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 2))
+        out = triton_cast._launch(x, scale, scale_inv, hist, 1, 3, torch.float8_e4m3fn,
+                                  transpose, snapshot=True, new_step=new_step, column_sums=sums,
+                                  op="identity", aux=None, config=config if sums else None)
+        results.append((*out, hist))
+    (fp8, fp8_t, snap, col, hist), (ref, ref_t, ref_snap, none, ref_hist) = results
+    assert none is None and torch.equal(fp8.view(torch.uint8), ref.view(torch.uint8))
+    if transpose:
+        assert torch.equal(fp8_t.view(torch.uint8), ref_t.view(torch.uint8))
+    else:
+        assert fp8_t is None and ref_t is None
+    assert torch.equal(snap, ref_snap) and torch.equal(hist, ref_hist)
+    assert col.dtype == torch.bfloat16
+    finite = x.double().nan_to_num(posinf=0.0)
+    torch.testing.assert_close(col[:-1].double(), finite.sum(0)[:-1].bfloat16().double(),
+                               rtol=2**-8, atol=1e-3)
+    assert col[-1] == float("inf")
 
 
 def test_repeated_launches_reuse_scratch() -> None:
