@@ -92,13 +92,20 @@ def _block_ms(fn: Callable[[], object], device: torch.device, steps: int) -> flo
     if device.type != "cuda":
         return _once_ms(lambda: [fn() for _ in range(steps)], device) / steps
     _sync(device)
+    return _events_ms(fn, steps)
+
+
+def _events_ms(fn: Callable[[], object], calls: int, sleep_cycles: int = 0) -> float:
+    """Milliseconds per call of ``calls`` calls of ``fn`` between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
     start.record()
-    for _ in range(steps):
+    for _ in range(calls):
         fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / calls
 
 
 def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int
@@ -113,16 +120,9 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters
         return time_ms(fn, device, warmup, iters)
     for _ in range(warmup):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     # The GPU sleeps while the host queues every launch, so the events time the kernels
     # back to back even when one launch costs the host more than one kernel takes.
-    torch.cuda._sleep(100_000_000)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return _events_ms(fn, iters, sleep_cycles=100_000_000)
 
 
 def spin_up(device: torch.device, seconds: float) -> None:
