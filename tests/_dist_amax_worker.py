@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_workers.launch import shutdown
 from torch import nn
 
 import fp8state
@@ -34,44 +35,50 @@ def run(rank: int, world: int, port: int, out: str, mode: str, steps: int) -> No
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = _model()
-        calls = {"all_reduce": 0}
-        real_all_reduce = dist.all_reduce
-
-        def counting_all_reduce(*args, **kwargs):
-            calls["all_reduce"] += 1
-            return real_all_reduce(*args, **kwargs)
-
-        result: dict = {}
-        if mode == "count":
-            dist.all_reduce = counting_all_reduce
-            input_amax = []
-            for step in range(steps):
-                gen = torch.Generator().manual_seed(1000 * rank + step)
-                x = torch.randn(8, H, generator=gen) * (rank + 1)
-                input_amax.append(float(x.abs().max()))
-                with fp8state.fp8_autocast():
-                    y = model(x)
-                (y * (rank + 1)).sum().backward()  # grad_output of the head is rank + 1
-            dist.all_reduce = real_all_reduce
-            result["input_amax"] = input_amax
-        else:  # "ddp": ordinary data-parallel training, different data per rank
-            ddp = nn.parallel.DistributedDataParallel(model)
-            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-            losses = []
-            for step in range(steps):
-                gen = torch.Generator().manual_seed(1000 * rank + step)
-                x = torch.randn(16, H, generator=gen)
-                with fp8state.fp8_autocast():
-                    y = ddp(x)
-                loss = (y - x[:, :4].sin()).square().mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            result["losses"] = losses
-        result["calls"] = calls["all_reduce"]
-        result["payloads"] = _payloads(model)
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        # A function of its own: the DDP model must be freed before its process group is
+        # destroyed (dist_workers.launch.shutdown says why).
+        torch.save(_train(rank, mode, steps), Path(out) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        shutdown()
+
+
+def _train(rank: int, mode: str, steps: int) -> dict:
+    model = _model()
+    calls = {"all_reduce": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    result: dict = {}
+    if mode == "count":
+        dist.all_reduce = counting_all_reduce
+        input_amax = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, H, generator=gen) * (rank + 1)
+            input_amax.append(float(x.abs().max()))
+            with fp8state.fp8_autocast():
+                y = model(x)
+            (y * (rank + 1)).sum().backward()  # grad_output of the head is rank + 1
+        dist.all_reduce = real_all_reduce
+        result["input_amax"] = input_amax
+    else:  # "ddp": ordinary data-parallel training, different data per rank
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        losses = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(16, H, generator=gen)
+            with fp8state.fp8_autocast():
+                y = ddp(x)
+            loss = (y - x[:, :4].sin()).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        result["losses"] = losses
+    result["calls"] = calls["all_reduce"]
+    result["payloads"] = _payloads(model)
+    return result

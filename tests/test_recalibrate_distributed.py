@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_workers.launch import init_gloo, run_ranks, store_path
+from dist_workers.launch import init_gloo, run_ranks, shutdown, store_path
 from torch import nn
 
 import fp8state
@@ -41,10 +40,10 @@ def _worker(rank: int, world: int, store: str, out: str, ddp: bool) -> None:
     init_gloo(rank, world, store)
     try:
         # A function of its own: the DDP model must be freed before its process group is
-        # destroyed (a reducer outliving it can hang the process at exit).
+        # destroyed (a reducer outliving it can hang or abort the process at exit).
         _calibrate(rank, out, ddp)
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])

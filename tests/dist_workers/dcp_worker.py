@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fp8state.checkpoint as ckpt
 from dist_workers import models
-from dist_workers.launch import init_gloo
+from dist_workers.launch import init_gloo, shutdown
 from fp8state.errors import DistributedStateError
 
 #: (seed, salt) of each saved checkpoint; the test rebuilds the expected state from them.
@@ -166,4 +166,4 @@ def run(rank: int, world: int, store_file: str, phase: str, work: str,
             dist.barrier()
         torch.save(results, os.path.join(work, f"{phase}_rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown()

@@ -7,6 +7,7 @@ A child's exception comes back with its traceback (``ProcessRaisedException``).
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,19 @@ def init_gloo(rank: int, world: int, store_file: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world
     )
+
+
+def shutdown() -> None:
+    """Destroy the default process group once nothing else keeps it alive.
+
+    A DDP model's reducer holds the group; when such a model sits in a reference cycle,
+    ``destroy_process_group`` does not free the group, the cyclic collector does, and if that
+    happens only while the interpreter shuts down, gloo's threads are torn down then and the
+    rank aborts ("terminate called without an active exception": a rare flake). Callers keep
+    their models in a function of their own; this collects before destroying.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: tuple, *, timeout: float) -> None:

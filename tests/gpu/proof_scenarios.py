@@ -27,6 +27,7 @@ import device_probe  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from dist_workers import models  # noqa: E402
+from dist_workers.launch import shutdown  # noqa: E402
 from torch import nn  # noqa: E402
 
 import fp8state.checkpoint as ckpt  # noqa: E402
@@ -190,7 +191,7 @@ def nccl_rank(ctx: Context) -> None:
     try:
         _nccl_steps(ctx, rank, dev)
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def _nccl_steps(ctx: Context, rank: int, dev: torch.device) -> None:
