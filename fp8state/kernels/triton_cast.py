@@ -299,9 +299,14 @@ _FP8_MAX = {dtype: float(torch.finfo(dtype).max)
             for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-def _scratch(device: torch.device) -> torch.Tensor:
+def _stream_key(device: torch.device) -> tuple[int, int]:
+    """``(device index, current stream)``: launches under one key run one after another."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, raw_stream(index))
+    return index, raw_stream(index)
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    key = _stream_key(device)
     pair = _SCRATCH.get(key)
     if pair is None:
         pair = _SCRATCH[key] = torch.zeros(2, dtype=torch.int32, device=device)
@@ -319,8 +324,7 @@ def _sum_scratch(device: torch.device, floats: int, tiles: int
     if torch.cuda.is_current_stream_capturing():
         return (torch.empty(floats, dtype=torch.float32, device=device),
                 torch.zeros(tiles, dtype=torch.int32, device=device))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, raw_stream(index))
+    key = _stream_key(device)
     partial, counts = _SUMS.get(key) or (None, None)
     if partial is None or partial.numel() < floats:
         partial = torch.empty(floats, dtype=torch.float32, device=device)
