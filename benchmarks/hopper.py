@@ -17,7 +17,7 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 import fp8state
 from fp8state.amax_reduction import PendingSteps, reduce_and_update
 from fp8state.cast import cast_and_record
+from fp8state.schema import default_payload
 
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
                  (8192, 8192, 8192)]
@@ -235,12 +236,14 @@ def bench_metadata(device, args) -> dict[str, float]:
     update_ms = time_ms(lambda: reduce_and_update("fwd", pending), device, 2, 10)
     # Context for the two rows above: the same container of plain nn.Linear (PyTorch's own
     # per-module cost, including load_state_dict's per-child filtering of the whole dict), and
-    # of nn.Linear with a trivial extra state (the same three keys per module as fp8state's).
+    # of nn.Linear with a trivial extra state (the same three keys per module as fp8state's),
+    # and the least a state_dict() with the schema's eleven tensors per module can cost.
     floors = {}
     for name, cls in (("plain_linear", nn.Linear), ("extra_state_linear", _ExtraStateLinear)):
         plain = nn.ModuleList(cls(16, 16, device=device) for _ in range(args.modules))
         (floors[f"{name}_state_dict_ms"],
          floors[f"{name}_load_state_dict_ms"]) = _state_dict_round_ms(plain, device)
+    floors["schema_floor_state_dict_ms"] = _schema_floor_ms(args.modules, device)
     return {"state_dict_ms": sd_ms, "load_state_dict_ms": load_ms, "scale_update_ms": update_ms,
             **floors}
 
@@ -254,6 +257,39 @@ def _state_dict_round_ms(model: nn.Module, device: torch.device) -> tuple[float,
     state = model.state_dict()
     gc.collect()
     return sd_ms, time_ms(lambda: model.load_state_dict(state), device, 2, 11)
+
+
+def _schema_floor_ms(modules: int, device: torch.device) -> float:
+    """Median ms of the least any ``state_dict()`` with the schema's payloads can do.
+
+    A container of nn.Linear whose extra state is a new dict of eleven CPU tensors (the
+    schema's keys), all made for all modules by one ``unbind`` before each call: no transfer,
+    no copy, no check, no storage per module. Only the tensor objects, the dicts and
+    PyTorch's walk over the modules remain, so ``state_dict_1000_ms`` cannot go below it.
+    """
+    model = nn.ModuleList(_SchemaFloorLinear(16, 16, device=device) for _ in range(modules))
+
+    def state_dict() -> object:
+        _SchemaFloorLinear.parts = iter(torch.zeros(modules * len(_SCHEMA_KEYS)).unbind())
+        return model.state_dict()
+
+    gc.collect()
+    return time_ms(state_dict, device, 2, 11)
+
+
+_SCHEMA_KEYS = tuple(default_payload(num_gemms=1, rows=1))  # the eleven keys
+
+
+class _SchemaFloorLinear(nn.Linear):
+    """nn.Linear whose extra state is the next eleven tensors of a shared iterator."""
+
+    parts: Iterator[torch.Tensor] = iter(())
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {key: next(self.parts) for key in _SCHEMA_KEYS}
+
+    def set_extra_state(self, state: object) -> None:
+        pass
 
 
 class _ExtraStateLinear(nn.Linear):

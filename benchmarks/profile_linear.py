@@ -2,15 +2,20 @@
 
 Usage (CUDA + Triton): ``python benchmarks/profile_linear.py [--shape 16384x4096x4096]
 [--mlp]`` (``--mlp``: a LayerNormMLP of tokens x hidden x ffn instead of a Linear).
-Prints the top CUDA kernels of three fwd+bwd steps (torch.profiler) and, for the cast kernel
-on an input-sized bf16 tensor, GB/s per block configuration with and without the transpose.
+Prints every CUDA kernel of three fwd+bwd steps (torch.profiler, the benchmark's step), where
+the GPU idles when steps are queued ahead of it and, for the cast kernel on an input-sized
+bf16 tensor, GB/s per block configuration with and without the transpose.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch
+from hopper import fwd_bwd  # the benchmark's step (benchmarks/ is on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 import fp8state
@@ -65,7 +70,7 @@ def main() -> None:
 
 
 def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
-    """Top CUDA kernels of three fwd+bwd steps and the time per step."""
+    """Every CUDA kernel of three fwd+bwd steps, idle gaps, and the time per step."""
     if args.mlp:
         layer = fp8state.LayerNormMLP(k, n, params_dtype=torch.bfloat16, device="cuda")
         n = k
@@ -74,11 +79,7 @@ def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
 
-    def step() -> None:
-        with fp8state.fp8_autocast():
-            y = layer(x)
-        y.backward(grad)
-
+    step = fwd_bwd(layer, x, grad, True)  # gradients set to None after each step, as timed
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -86,12 +87,59 @@ def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18,
-                                      max_name_column_width=60)
-    print(table)
+    # Every kernel: the step's GPU time beyond the GEMMs is spread over many small rows.
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / 3e3
+    for e in events:
+        print(f"{e.self_device_time_total / 3e3:8.3f} ms/step {e.count // 3:4d} calls  "
+              f"{e.key[:90]}")
+    print(f"{total:8.3f} ms/step of kernels in all")
+    timeline_gaps(step)
     print(f"step {_time_ms(step, 20):.3f} ms; default cast configs "
           f"{default_config(tokens, k, False)} / {default_config(tokens, k, True)} (transpose)")
 
+
+def _may_wait(name: str) -> bool:
+    """Whether a CUDA runtime call waits for the device (or may: device or pinned allocations)."""
+    return ("Synchronize" in name or name == "cudaMemcpy"
+            or name.startswith(("cudaMalloc", "cudaFree", "cudaHostAlloc")))
+
+
+def timeline_gaps(step, steps: int = 3) -> None:
+    """Where the GPU idles within steps queued behind a long sleep kernel.
+
+    Every step is launched while the GPU still sleeps, so an idle gap between two kernels
+    can only come from the device waiting (a host synchronization inside the step, a
+    blocking allocation) or from the host falling behind: the largest gaps are printed with
+    the kernels around them, and the host calls that can block.
+    """
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        torch.cuda._sleep(200_000_000)
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                 key=lambda e: e["ts"])[1:]  # the sleep kernel first
+    gaps = [(b["ts"] - a["ts"] - a["dur"], a["name"], b["name"])
+            for a, b in zip(gpu, gpu[1:], strict=False)]
+    busy = sum(e["dur"] for e in gpu)
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    print(f"queued steps: {span / steps / 1e3:.3f} ms/step on the GPU, {busy / steps / 1e3:.3f} "
+          f"busy, {(span - busy) / steps / 1e3:.3f} idle")
+    for gap, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  idle {gap:7.1f} us between {before[:50]} and {after[:50]}")
+    waits: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and _may_wait(e["name"]):
+            waits[e["name"]] = waits.get(e["name"], 0) + 1
+    print(f"host calls that can wait, in the region (its closing synchronize included): "
+          f"{waits or 'none'}")
 
 
 def sweep(args: argparse.Namespace, m: int, n: int) -> None:
