@@ -134,6 +134,10 @@ def timeline_gaps(step, steps: int = 3) -> None:
           f"busy, {(span - busy) / steps / 1e3:.3f} idle")
     for gap, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  idle {gap:7.1f} us between {before[:50]} and {after[:50]}")
+    print("the last step's kernels in order:")
+    for e in gpu[len(gpu) - len(gpu) // steps:]:
+        grid = e.get("args", {}).get("grid")
+        print(f"  {e['dur']:8.1f} us  {e['name'][:60]}  grid {grid}")
     waits: dict[str, int] = {}
     for e in events:
         if e.get("cat") == "cuda_runtime" and _may_wait(e["name"]):

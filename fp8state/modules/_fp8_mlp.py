@@ -6,9 +6,10 @@ after. Here the cast kernel computes GELU (forward) and ``grad * gelu'(h)`` (bac
 same pass that quantizes, transposes, records the amax and sums the bias gradient: two passes
 over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
 allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
-output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used; the
-GELU gradient's FP8 transpose is made only after ``h`` is dropped, which keeps the peak below
-bf16's (docs/benchmarks.md).
+output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used.
+Neither GELU cast writes a transposed copy: the FP8 transposes come from a one-byte transpose
+afterwards, faster for GELU's output, and for its gradient made only after ``h`` is dropped,
+which keeps the peak below bf16's (docs/benchmarks.md).
 
 Slots and amaxes are those of the per-GEMM path (fc1 = GEMM 0, fc2 = GEMM 1). The one
 difference in numbers: GELU's output is quantized from float32 instead of from its rounding to
@@ -98,8 +99,12 @@ class _FP8GeluMLP(torch.autograd.Function):
         h, _ = fp8_gemm(x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias,
                         fast_accum=True)
         del x_fp8
-        a_fp8, a_fp8_t, a_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, need_w2, op="gelu")
+        # No transposed copy from this cast either: with GELU's arithmetic in the same pass,
+        # transposed stores slow it down more than a one-byte transpose afterwards costs
+        # (docs/benchmarks.md).
+        a_fp8, _, a_inv, _ = _cast_slot(
+            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu")
+        a_fp8_t = transpose_fp8(a_fp8) if need_w2 else None
         w2_fp8, w2_fp8_t, w2_inv = _cast_weight(module, fc2_weight, 1, dtype, need_chain,
                                                 is_first_microbatch)
         out, used = fp8_gemm(a_fp8, a_inv, w2_fp8.t(), w2_inv, inp.dtype, backend,
