@@ -36,6 +36,7 @@ __all__ = [
     "CORRUPTIONS",
     "copy_payload",
     "assert_same_payload",
+    "assert_state_dicts_equal",
 ]
 
 FP8_BUFFERS = tuple(
@@ -393,6 +394,16 @@ def assert_same_payload(a: Any, b: Any) -> None:
         assert np.array_equal(a, b)
     else:
         assert a == b
+
+
+def assert_state_dicts_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Same keys, and the same dtype and values under each (nested dicts: extra states)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_state_dicts_equal(a[key], b[key])
+        else:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
-from _utils import assert_unchanged, run_steps, snapshot
+from _utils import assert_state_dicts_equal, assert_unchanged, run_steps, snapshot
 from test_convert_models import TinyLM, tiny_lm, tokens
 from test_convert_models import converted_tiny_lm as _converted
 from torch import nn
@@ -28,15 +28,6 @@ from fp8state.schema import default_payload
 
 def _fp8_payloads(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
-
-
-def _assert_state_dicts_equal(a: dict, b: dict) -> None:  # type: ignore[type-arg]
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], dict):
-            _assert_state_dicts_equal(a[key], b[key])
-        else:
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
 # ------------------------------------------------------------------------- export
@@ -88,7 +79,7 @@ def test_weights_and_metadata_round_trip_through_safetensors_exactly(tmp_path: P
     fresh = _converted(seed=2)
     load_plain_state_dict(fresh, st.load_file(tmp_path / "w.safetensors"),
                           fp8_metadata=st.load_file(tmp_path / "fp8.safetensors"))
-    _assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
+    assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
     assert fresh.blocks[0].qkv.fp8_recipe == model.blocks[0].qkv.fp8_recipe
 
 
@@ -102,7 +93,7 @@ def test_save_and_load_safetensors_wrappers(tmp_path: Path) -> None:
         assert f.metadata() == {"format": "pt", "head.weight": "emb.weight"}
     fresh = _converted(seed=2)
     load_safetensors(fresh, weights_file, fp8_metadata_path=metadata_file)
-    _assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
+    assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
     # Weights only, split in two shards as Hugging Face writes large models.
     weights = to_plain_state_dict(model)
     keys = sorted(weights)
@@ -161,7 +152,7 @@ def test_plain_weights_load_with_fresh_metadata_into_a_trained_model() -> None:
     for payload in _fp8_payloads(model).values():
         rows = payload["fwd.amax_history"].shape[0]
         fresh = default_payload(payload["fwd.scale"].numel() // 3, rows=rows)
-        _assert_state_dicts_equal(payload, fresh)
+        assert_state_dicts_equal(payload, fresh)
     assert model.blocks[0].qkv.fp8_recipe == fp8state.DelayedScaling()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch as st
 import torch
-from _utils import assert_unchanged, snapshot
+from _utils import assert_state_dicts_equal, assert_unchanged, snapshot
 from test_convert_models import TinyLM, tiny_lm, tokens
 from test_convert_models import converted_tiny_lm as _converted
 
@@ -21,15 +21,6 @@ from fp8state.checkpoint import (
     to_plain_state_dict,
 )
 from fp8state.errors import CheckpointError, ConfigError
-
-
-def _assert_same(a: dict, b: dict) -> None:  # type: ignore[type-arg]
-    assert a.keys() == b.keys()
-    for key in a:
-        if isinstance(a[key], dict):
-            _assert_same(a[key], b[key])
-        else:
-            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
 # ------------------------------------------------------------------------ tied weights
@@ -67,7 +58,7 @@ def test_own_save_and_load_round_trip_exactly_with_ties(tmp_path: Path) -> None:
     fresh = _converted(seed=2)
     assert load_safetensors(fresh, tmp_path / "w.safetensors", True,
                             fp8_metadata_path=tmp_path / "fp8.safetensors").missing_keys == []
-    _assert_same(fresh.state_dict(), model.state_dict())
+    assert_state_dicts_equal(fresh.state_dict(), model.state_dict())
     assert fresh.head.weight is fresh.emb.weight
 
 
