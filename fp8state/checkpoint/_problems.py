@@ -74,14 +74,24 @@ def missing_key(key: str) -> CheckpointError:
     )
 
 
-def missing_fp8_metadata(key: str, where: str = "state dict") -> CheckpointError:
-    """One FP8 module's ``_extra_state`` missing from a checkpoint that has others."""
+def missing_fp8_metadata(key: str, where: str = "state dict",
+                         reader: str | None = None) -> CheckpointError:
+    """One FP8 module's ``_extra_state`` missing from a checkpoint.
+
+    Args:
+        key: The module's ``_extra_state`` key.
+        where: What lacks it (``"state dict"``, ``"checkpoint"``).
+        reader: The function that reads such a checkpoint into a state dict, when it is not
+            one already (a DCP folder), for the fix.
+    """
+    read = "" if reader is None else f" once read with {reader}"
     return CheckpointError(
         key, f"no FP8 metadata for this module in the {where}",
         "an _extra_state for every FP8 module of the model",
         "The checkpoint was saved from a model built differently, or was edited. Load a "
         "complete checkpoint of this model; a checkpoint with no FP8 metadata at all loads "
-        "with fp8state.checkpoint.load_plain_state_dict, which starts every FP8 module fresh.",
+        f"with fp8state.checkpoint.load_plain_state_dict{read}, which starts every FP8 "
+        "module fresh.",
     )
 
 

@@ -24,7 +24,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fp8state.checkpoint._entries import is_fp8_payload
-from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint._problems import (
+    StateDictError,
+    keys_of,
+    missing_fp8_metadata,
+    summarize,
+)
 from fp8state.checkpoint.dcp_files import dcp_failure
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
@@ -151,13 +156,8 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
     for name, value in sd.items():
         items = stored.get(name)
         if items is None and is_fp8_payload(value):
-            plan.missing.append(CheckpointError(
-                name, "no such key in the checkpoint (no FP8 metadata for this module)",
-                "an _extra_state for every FP8 module of the model",
-                "Load a checkpoint saved from this model. For a checkpoint without FP8 "
-                "metadata, read it with fp8state.checkpoint.load_dcp_state_dict and load that "
-                "with fp8state.checkpoint.load_plain_state_dict (every FP8 module starts fresh).",
-            ))
+            plan.missing.append(missing_fp8_metadata(
+                name, "checkpoint", reader="fp8state.checkpoint.load_dcp_state_dict"))
         elif items is None:
             plan.missing.append(CheckpointError(
                 name, "no such key in the checkpoint", "every key of the model (strict=True)",
