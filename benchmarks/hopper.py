@@ -26,7 +26,7 @@ from torch import nn
 import fp8state
 from fp8state.amax_reduction import PendingSteps, reduce_and_update
 from fp8state.cast import cast_and_record
-from fp8state.schema import default_payload
+from fp8state.schema import PAYLOAD_KEYS
 
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
                  (8192, 8192, 8192)]
@@ -270,14 +270,11 @@ def _schema_floor_ms(modules: int, device: torch.device) -> float:
     model = nn.ModuleList(_SchemaFloorLinear(16, 16, device=device) for _ in range(modules))
 
     def state_dict() -> object:
-        _SchemaFloorLinear.parts = iter(torch.zeros(modules * len(_SCHEMA_KEYS)).unbind())
+        _SchemaFloorLinear.parts = iter(torch.zeros(modules * len(PAYLOAD_KEYS)).unbind())
         return model.state_dict()
 
     gc.collect()
     return time_ms(state_dict, device, 2, 11)
-
-
-_SCHEMA_KEYS = tuple(default_payload(num_gemms=1, rows=1))  # the eleven keys
 
 
 class _SchemaFloorLinear(nn.Linear):
@@ -286,7 +283,7 @@ class _SchemaFloorLinear(nn.Linear):
     parts: Iterator[torch.Tensor] = iter(())
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
-        return {key: next(self.parts) for key in _SCHEMA_KEYS}
+        return {key: next(self.parts) for key in PAYLOAD_KEYS}
 
     def set_extra_state(self, state: object) -> None:
         pass

@@ -24,6 +24,7 @@ from fp8state.slots import BWD_SLOTS_PER_GEMM, FWD_SLOTS_PER_GEMM
 __all__ = [
     "SCHEMA_VERSION",
     "DIRECTIONS",
+    "PAYLOAD_KEYS",
     "UPGRADERS",
     "DirectionState",
     "FP8State",
@@ -37,11 +38,13 @@ SCHEMA_VERSION = 1
 DIRECTIONS = ("fwd", "bwd")
 _TENSOR_FIELDS = ("amax_history", "scale", "scale_inv")
 _RECIPE_FIELDS = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
-_REQUIRED = frozenset(
-    ["schema_version"]
-    + [f"{d}.{f}" for d in DIRECTIONS for f in _TENSOR_FIELDS]
-    + [f"recipe.{f}" for f in _RECIPE_FIELDS]
+#: A payload's keys, in the order :func:`pack` writes them.
+PAYLOAD_KEYS = (
+    "schema_version",
+    *(f"{d}.{f}" for d in DIRECTIONS for f in _TENSOR_FIELDS),
+    *(f"recipe.{f}" for f in _RECIPE_FIELDS),
 )
+_REQUIRED = frozenset(PAYLOAD_KEYS)
 
 Payload = dict[str, torch.Tensor]
 

@@ -30,7 +30,7 @@ import torch
 
 from fp8state.cast import kernels_available
 from fp8state.generation import buffer_generation
-from fp8state.schema import SCHEMA_VERSION
+from fp8state.schema import PAYLOAD_KEYS, SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from fp8state.mixin import FP8StateMixin
@@ -40,11 +40,6 @@ __all__ = ["register", "take", "stage", "BUFFER_NAMES"]
 BUFFER_NAMES = tuple(
     f"fp8_{d}_{f}" for d in ("fwd", "bwd") for f in ("amax_history", "scale", "scale_inv")
 )
-# A payload's keys in schema.pack's order: the version, the six buffers, the recipe's integers.
-_NAMES = ("schema_version",
-          *(f"{d}.{f}" for d in ("fwd", "bwd") for f in ("amax_history", "scale", "scale_inv")),
-          "recipe.fp8_format", "recipe.margin", "recipe.amax_history_len",
-          "recipe.amax_compute_algo")
 
 _LIVE: weakref.WeakSet[FP8StateMixin] = weakref.WeakSet()
 
@@ -143,8 +138,9 @@ def _stage(device: torch.device) -> None:
         if split is None:
             split = sizes[fwd_hist, bwd_hist] = [t.numel() for t in bufs]
         fh, fs, fi, bh, bs, bi = block.split_with_sizes(split)
-        payload = dict(zip(_NAMES, (version, fh.view(fwd_hist), fs, fi, bh.view(bwd_hist), bs,
-                                    bi, *recipe), strict=True))
+        # In schema.pack's key order: the version, the six buffers, the recipe's integers.
+        payload = dict(zip(PAYLOAD_KEYS, (version, fh.view(fwd_hist), fs, fi,
+                                          bh.view(bwd_hist), bs, bi, *recipe), strict=True))
         _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs), payload)
 
 

@@ -290,3 +290,9 @@ def test_spec_documents_every_key_and_code() -> None:
         assert re.search(rf"`{fmt.code}`[^\n]*{fmt.name}", spec), fmt
     for code, algo in enumerate(("max", "most_recent")):
         assert re.search(rf"`{code}`[^\n]*`{algo}`", spec), algo
+
+
+def test_payload_keys_are_packs_keys_in_its_order() -> None:
+    """Staging builds payloads in this order without calling pack: the two must agree."""
+    assert tuple(pack(unpack(golden_payload(), num_gemms=None))) == schema.PAYLOAD_KEYS
+    assert tuple(schema.default_payload(num_gemms=2)) == schema.PAYLOAD_KEYS
