@@ -1,7 +1,7 @@
 """The contiguous transpose of a 2-D one-byte (FP8) CUDA tensor, in one launch.
 
-LayerNormMLP's backward transposes its FP8 GELU gradient after using it (see
-:mod:`fp8state.modules._fp8_mlp`). PyTorch's generic strided copy moves one-byte elements well
+LayerNormMLP transposes GELU's FP8 output and its FP8 gradient with it, after their casts
+(see :mod:`fp8state.modules._fp8_mlp`). PyTorch's generic strided copy moves one-byte elements well
 below the copy bandwidth; square tiles read and written whole do better.
 """
 

@@ -3,7 +3,7 @@
 Run as three autograd nodes (fc1, GELU, fc2), the block writes and reads GELU's output in high
 precision in forward, and GELU's input gradient in backward, only to cast each to FP8 right
 after. Here the cast kernel computes GELU (forward) and ``grad * gelu'(h)`` (backward) in the
-same pass that quantizes, transposes, records the amax and sums the bias gradient: two passes
+same pass that quantizes, records the amax and sums the bias gradient: two passes
 over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
 allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
 output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used.
