@@ -13,9 +13,11 @@ import os
 import struct
 from typing import Any
 
+from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX
 from fp8state.errors import CheckpointError
 
-__all__ = ["FP8_METADATA_MARK", "read_header", "safetensors_header", "is_fp8_metadata_header"]
+__all__ = ["FP8_METADATA_MARK", "read_header", "safetensors_header", "is_fp8_metadata_header",
+           "holds_fp8_metadata"]
 
 #: Key of the header's ``__metadata__`` that marks the FP8 metadata file save_safetensors writes.
 FP8_METADATA_MARK = "fp8state_schema_version"
@@ -24,6 +26,7 @@ _MAX_HEADER = 100_000_000
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTOCOL = b"\x80"
 _SHOWN_SHARDS = 3
+_FP8_KEY_PART = EXTRA_STATE_SUFFIX + "."  # in every key of a flat FP8 metadata map
 
 
 def read_header(path: str) -> dict[str, Any] | None:
@@ -52,6 +55,12 @@ def is_fp8_metadata_header(header: dict[str, Any]) -> bool:
     """True for the header of the FP8 metadata file :func:`save_safetensors` writes."""
     metadata = header.get("__metadata__")
     return isinstance(metadata, dict) and FP8_METADATA_MARK in metadata
+
+
+def holds_fp8_metadata(header: dict[str, Any]) -> bool:
+    """True for that file, or any whose tensor names look like ``<module>._extra_state.*``."""
+    return is_fp8_metadata_header(header) or any(
+        _FP8_KEY_PART in key for key in header if key != "__metadata__")
 
 
 def _index_fix(path: str) -> str | None:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX, Entry, KeyResolver, model_entries
 from fp8state.checkpoint._plain_names import plain_keys
-from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint._problems import StateDictError, keys_of, keys_of_strings, summarize
 from fp8state.checkpoint._ties import tied_fills
 from fp8state.checkpoint.validate import validate_state_dict
 from fp8state.errors import CheckpointError, ConfigError, FP8StateError
@@ -163,8 +163,8 @@ def _extra_state_error(present: list[str], extras: list[Entry]) -> CheckpointErr
     if missing:
         found = (
             f"_extra_state for {len(present)} of {len(extras)} FP8 modules "
-            f"({_join(present)}) and none for "
-            f"{_join(missing)}"
+            f"({keys_of_strings(present)}) and none for "
+            f"{keys_of_strings(missing)}"
         )
         fix = (
             "Such a state dict mixes FP8 metadata and plain weights (edited, or assembled from "
@@ -178,14 +178,9 @@ def _extra_state_error(present: list[str], extras: list[Entry]) -> CheckpointErr
             "or drop the _extra_state keys to start every FP8 module fresh."
         )
     return CheckpointError(
-        _join(present), found, "a plain state dict: no _extra_state keys",
+        keys_of_strings(present), found, "a plain state dict: no _extra_state keys",
         fix,
     )
-
-
-def _join(keys: list[str], limit: int = 5) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown if len(keys) <= limit else f"{shown}, ... ({len(keys)} keys)"
 
 
 def _split_metadata(
@@ -194,8 +189,8 @@ def _split_metadata(
     """``{"<module name>._extra_state": payload}`` from the flat map; bad keys to ``problems``."""
     payloads: dict[str, dict[str, Any]] = {}
     for key, value in fp8_metadata.items():
-        at = key.rfind(_METADATA_MARK) if isinstance(key, str) else -1
-        if at < 0 or (at > 0 and key[at - 1] != "."):
+        parts = split_metadata_key(key)
+        if parts is None:
             problems.append(CheckpointError(
                 f"fp8_metadata[{key!r}]", "a key without a '<module>._extra_state.' part",
                 "'<module name>._extra_state.<schema key>', as to_plain_state_dict writes",
@@ -203,9 +198,23 @@ def _split_metadata(
                 "returned, unchanged.",
             ))
             continue
-        module_key = key[: at + len(EXTRA_STATE_SUFFIX)]
-        payloads.setdefault(module_key, {})[key[at + len(_METADATA_MARK):]] = value
+        module_key, field = parts
+        payloads.setdefault(module_key, {})[field] = value
     return payloads
+
+
+def split_metadata_key(key: object) -> tuple[str, str] | None:
+    """``("<module>._extra_state", "<schema key>")`` of a flat FP8 metadata key, or None.
+
+    None for anything else: not a string, no ``_extra_state.`` part, or one that is not a
+    whole name (``"x_extra_state.scale"``).
+    """
+    if not isinstance(key, str):
+        return None
+    at = key.rfind(_METADATA_MARK)
+    if at < 0 or (at > 0 and key[at - 1] != "."):
+        return None
+    return key[: at + len(EXTRA_STATE_SUFFIX)], key[at + len(_METADATA_MARK):]
 
 
 def _with_metadata(

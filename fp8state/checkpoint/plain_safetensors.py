@@ -22,11 +22,16 @@ from fp8state.checkpoint._entries import model_entries
 from fp8state.checkpoint._plain_names import plain_keys
 from fp8state.checkpoint._safetensors_files import (
     FP8_METADATA_MARK,
+    holds_fp8_metadata,
     is_fp8_metadata_header,
     safetensors_header,
 )
 from fp8state.checkpoint._ties import shared_tensor_names
-from fp8state.checkpoint.plain import load_plain_state_dict, to_plain_state_dict
+from fp8state.checkpoint.plain import (
+    load_plain_state_dict,
+    split_metadata_key,
+    to_plain_state_dict,
+)
 from fp8state.errors import CheckpointError
 from fp8state.schema import SCHEMA_VERSION
 
@@ -159,9 +164,7 @@ def _read_weights(st: ModuleType, paths: Sequence[str]) -> dict[str, torch.Tenso
 def _read_fp8_metadata(st: ModuleType, path: str) -> dict[str, torch.Tensor]:
     header = safetensors_header(path, "fp8_metadata_path")
     keys = [k for k in header if k != "__metadata__"]
-    if not is_fp8_metadata_header(header) and keys and not any(
-        "_extra_state." in k for k in keys
-    ):
+    if keys and not holds_fp8_metadata(header):
         raise CheckpointError(
             path, f"a file of {len(keys)} tensors, none of them FP8 metadata (a weights "
             "file?)", "the FP8 metadata file save_safetensors wrote, keys "
@@ -181,16 +184,16 @@ def read_fp8_metadata_file(path: PathLike) -> dict[str, dict[str, torch.Tensor]]
     """
     flat = _read_fp8_metadata(_safetensors_torch(), os.fspath(path))
     payloads: dict[str, dict[str, torch.Tensor]] = {}
-    mark = "_extra_state."
     for key, value in flat.items():
-        at = key.rfind(mark)
-        if at < 0 or (at > 0 and key[at - 1] != "."):
+        parts = split_metadata_key(key)
+        if parts is None:
             raise CheckpointError(
                 key, "a key without a '<module>._extra_state.' part",
                 "'<module name>._extra_state.<schema key>'",
                 f"{os.fspath(path)} is not an FP8 metadata file save_safetensors wrote.",
             )
-        payloads.setdefault(key[: at + len(mark) - 1], {})[key[at + len(mark):]] = value
+        module_key, field = parts
+        payloads.setdefault(module_key, {})[field] = value
     return payloads
 
 

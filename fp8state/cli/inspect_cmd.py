@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from fp8state.checkpoint._safetensors_files import is_fp8_metadata_header, read_header
+from fp8state.checkpoint._safetensors_files import holds_fp8_metadata, read_header
 from fp8state.checkpoint.plain_safetensors import read_fp8_metadata_file
 from fp8state.errors import CheckpointError
 from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
@@ -54,7 +54,7 @@ def _summarize(path: str) -> CheckpointSummary:
     if header is None:
         return summarize_checkpoint(path)
     tensors = len([k for k in header if k != "__metadata__"])
-    if not is_fp8_metadata_header(header) and not any("_extra_state." in k for k in header):
+    if not holds_fp8_metadata(header):
         raise CheckpointError(
             path, f"a safetensors file of {tensors} plain tensors (no FP8 metadata in it)",
             "a torch.save checkpoint, a DCP folder, or the FP8 metadata file "
