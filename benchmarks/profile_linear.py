@@ -15,12 +15,14 @@ import os
 import tempfile
 
 import torch
-from hopper import fwd_bwd  # the benchmark's step (benchmarks/ is on sys.path)
+from hopper import fwd_bwd, kernel_ms  # the benchmark's (benchmarks/ is on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 import fp8state
 from fp8state.kernels import triton_cast
 from fp8state.kernels.triton_cast import default_config
+
+_CUDA = torch.device("cuda")
 
 # (BLOCK_M, BLOCK_N, num_warps, split) candidates for each layout (transpose, column sums).
 _TILES = [(bm, bn, w) for bm in (16, 32, 64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
@@ -35,19 +37,6 @@ _SUM_TILES = [(16, 128, 4), (16, 128, 8), (16, 256, 8), (32, 64, 4), (32, 128, 4
               (32, 256, 8), (64, 64, 4), (64, 64, 8), (64, 128, 8)]
 CONFIGS[False, True] = CONFIGS[True, True] = [(bm, bn, w, sp) for bm, bn, w in _SUM_TILES
                                               for sp in (8, 16, 32, 64)]
-
-
-def _time_ms(fn, iters: int = 50) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        fn()
-    torch.cuda._sleep(100_000_000)  # the host queues every launch before the events run
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -96,7 +85,7 @@ def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
               f"{e.key[:90]}")
     print(f"{total:8.3f} ms/step of kernels in all")
     timeline_gaps(step)
-    print(f"step {_time_ms(step, 20):.3f} ms; default cast configs "
+    print(f"step {kernel_ms(step, _CUDA, 5, 20):.3f} ms; default cast configs "
           f"{default_config(tokens, k, False)} / {default_config(tokens, k, True)} (transpose)")
 
 
@@ -160,10 +149,10 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         results = []
         default = default_config(m, n, transpose, args.op, args.column_sums)
         for cfg in [default, *CONFIGS[transpose, args.column_sums]]:
-            ms = _time_ms(lambda cfg=cfg, transpose=transpose: triton_cast._launch(
+            ms = kernel_ms(lambda cfg=cfg, transpose=transpose: triton_cast._launch(
                 x, scale, scale, cell, 0, 1, torch.float8_e4m3fn, transpose, snapshot=False,
                 new_step=False, column_sums=args.column_sums, op=args.op, aux=aux,
-                config=cfg), iters=20)
+                config=cfg), _CUDA, 5, 20)
             results.append((ms, cfg))
         ranked = sorted(results[1:])[:8]
         for ms, cfg in [(results[0][0], f"{default} (default)"), *ranked]:
