@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import fp8state
-from fp8state.amax_reduction import PendingSteps, reduce_and_update
-from fp8state.cast import cast_and_record
+from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
+from fp8state._runtime.slot_cast import cast_and_record
 from fp8state.schema import PAYLOAD_KEYS
 
 LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),

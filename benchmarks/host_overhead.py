@@ -50,8 +50,8 @@ def host_us(step, iters: int = 200, warmup: int = 20) -> float:
 
 def launch_profile(iters: int = 5000) -> None:
     """cProfile of the library's launch wrappers alone (scale update, slot cast)."""
-    from fp8state.cast import cast_slot
-    from fp8state.kernels.triton_update import update_scales_
+    from fp8state._kernels.triton_update import update_scales_
+    from fp8state._runtime.slot_cast import cast_slot
 
     hist = torch.zeros(1024, 3, device="cuda")
     sc, inv = torch.ones(3, device="cuda"), torch.ones(3, device="cuda")
@@ -75,8 +75,8 @@ def launch_profile(iters: int = 5000) -> None:
 
 def pieces() -> None:
     """Host microseconds per call of each piece of a step, on tiny tensors."""
-    from fp8state.cast import cast_and_record
-    from fp8state.kernels.triton_update import update_scales_
+    from fp8state._kernels.triton_update import update_scales_
+    from fp8state._runtime.slot_cast import cast_and_record
     from fp8state.scaling import shift_history
 
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
@@ -112,7 +112,7 @@ def pieces() -> None:
         "fp8_autocast empty": autocast_empty,
         "Linear fwd under autocast (grad)": fwd_only,
     }
-    from fp8state.kernels import triton_update as tu
+    from fp8state._kernels import triton_update as tu
     args = (hist, sc, inv, 3, 1024, 448.0, 0)
     consts = {"MOST_RECENT": False, "BLOCK": 16, "ROWS": 256, "f32_tiny": 1e-38,
               "f32_max": 3e38}
@@ -151,20 +151,20 @@ def _timed(table: dict[str, float], name: str, fn):
 
 def breakdown(step, iters: int = 300) -> None:
     """Inclusive host time per step of fp8state's functions (perf_counter wrappers)."""
-    import fp8state.amax_reduction as amax_reduction
+    import fp8state._kernels.cast_launch as cast_launch
+    import fp8state._kernels.triton_update as triton_update
+    import fp8state._runtime.amax_reduction as amax_reduction
+    import fp8state._runtime.slot_cast as cast_mod
     import fp8state.autocast as autocast_mod
-    import fp8state.cast as cast_mod
-    import fp8state.kernels.triton_cast as triton_cast
-    import fp8state.kernels.triton_update as triton_update
+    import fp8state.functional.linear as fl
     import fp8state.mixin as mixin_mod
-    import fp8state.modules._fp8_linear as fl
 
     table: dict[str, float] = {}
     patches = [
         (fl, "_cast_slot"), (fl, "fp8_gemm"), (fl, "_cast_weight"), (fl, "cast_slot"),
         (autocast_mod, "reduce_and_update"), (autocast_mod, "register_backward"),
         (autocast_mod, "register_forward"), (fl, "resolve_backend"),
-        (triton_cast, "_LAUNCHER"), (triton_update, "_UPDATE"), (triton_cast, "_launch"),
+        (cast_launch, "_LAUNCHER"), (triton_update, "_UPDATE"), (cast_launch, "_launch"),
         (amax_reduction, "_update_batched"), (cast_mod, "fused_kernel_available"),
     ]
     saved = []

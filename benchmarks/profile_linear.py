@@ -19,8 +19,8 @@ from hopper import fwd_bwd, kernel_ms  # the benchmark's (benchmarks/ is on sys.
 from torch.profiler import ProfilerActivity, profile
 
 import fp8state
-from fp8state.kernels import triton_cast
-from fp8state.kernels.triton_cast import default_config
+from fp8state._kernels import cast_launch
+from fp8state._kernels.cast_launch import default_config
 
 _CUDA = torch.device("cuda")
 
@@ -149,7 +149,7 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         results = []
         default = default_config(m, n, transpose, args.op, args.column_sums)
         for cfg in [default, *CONFIGS[transpose, args.column_sums]]:
-            ms = kernel_ms(lambda cfg=cfg, transpose=transpose: triton_cast._launch(
+            ms = kernel_ms(lambda cfg=cfg, transpose=transpose: cast_launch._launch(
                 x, scale, scale, cell, 0, 1, torch.float8_e4m3fn, transpose, snapshot=False,
                 new_step=False, column_sums=args.column_sums, op=args.op, aux=aux,
                 config=cfg), _CUDA, 5, 20)

@@ -10,7 +10,7 @@ from fp8state.convert import convert_model, plan_conversion
 from fp8state.formats import Format
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
-from fp8state.recalibrate import CalibrationReport, recalibrate
+from fp8state.recalibration import CalibrationReport, recalibrate
 from fp8state.recipe import DelayedScaling
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp8state.amax_reduction import PendingSteps, reduce_and_update
+from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 from fp8state.backends import BACKENDS
 from fp8state.errors import ConfigError
 from fp8state.recipe import DelayedScaling

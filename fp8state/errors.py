@@ -7,6 +7,7 @@ found, what was expected and what to do about it. All of them subclass :class:`F
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "LegacyFormatError",
     "UnsafeCheckpointError",
     "CheckpointError",
+    "StateDictError",
     "DistributedStateError",
     "ConversionError",
     "ConfigError",
@@ -107,6 +109,34 @@ class UnsafeCheckpointError(FP8StateError):
 
 class CheckpointError(FP8StateError):
     """A checkpoint file or state dict could not be read or does not fit the model."""
+
+
+class StateDictError(CheckpointError):
+    """A state dict does not fit a model; nothing was loaded.
+
+    Its message lists the problems one per line, then says what was expected and what to do
+    on a line of its own.
+
+    Attributes:
+        problems: One :class:`~fp8state.errors.FP8StateError` per key at fault, each naming
+            the key, what was found, what was expected and the fix.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        found: str,
+        expected: str,
+        fix: str,
+        problems: Sequence[FP8StateError] = (),
+    ) -> None:
+        super().__init__(key, found, expected, fix)
+        self.problems = tuple(problems)
+        # The list ends with a problem's own sentence; the summary gets a line of its own.
+        self.args = (f"{key}: found {found}\nExpected {expected}. {fix}",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key, self.found, self.expected, self.fix, self.problems))
 
 
 class DistributedStateError(FP8StateError):

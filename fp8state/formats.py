@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8state.slots import Direction, by_direction
+
 __all__ = ["Format", "FormatSpec"]
 
 
@@ -76,13 +78,13 @@ class Format(enum.Enum):
         """Return the format stored as ``code``; raises ``KeyError`` for unknown codes."""
         return _FORMATS_BY_CODE[code]
 
-    def dtype(self, direction: str) -> torch.dtype:
+    def dtype(self, direction: Direction) -> torch.dtype:
         """FP8 dtype for ``direction`` (``"fwd"`` or ``"bwd"``)."""
-        return self.spec.fwd_dtype if direction == "fwd" else self.spec.bwd_dtype
+        return by_direction(direction, self.spec.fwd_dtype, self.spec.bwd_dtype)
 
-    def max(self, direction: str) -> float:
+    def max(self, direction: Direction) -> float:
         """Largest finite FP8 value for ``direction`` (``"fwd"`` or ``"bwd"``)."""
-        return self.spec.fwd_max if direction == "fwd" else self.spec.bwd_max
+        return by_direction(direction, self.spec.fwd_max, self.spec.bwd_max)
 
 
 # Codes are part of the checkpoint schema: never renumber, only append.

@@ -18,43 +18,30 @@ Load order: PyTorch's ``_load_from_state_dict`` copies parameters, then calls
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from fp8state import meta_io, scaling, staging
-from fp8state.cast import kernels_available
+from fp8state import scaling
+from fp8state._runtime import meta_io, staging
+from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES, buffer_name
+from fp8state._runtime.friend import StepBookkeeping
+from fp8state._runtime.generation import bump_buffer_generation
+from fp8state._runtime.slot_cast import kernels_available
 from fp8state.errors import ConfigError, FP8StateError
-from fp8state.generation import bump_buffer_generation
-from fp8state.recipe import DelayedScaling
-from fp8state.schema import DIRECTIONS, DirectionState, FP8State, slots_per_gemm
+from fp8state.recipe import DEFAULT_HISTORY_ROWS, DelayedScaling
+from fp8state.schema import DIRECTIONS, EXTRA_STATE_KEY, DirectionState, FP8State, slots_per_gemm
+from fp8state.slots import Direction, by_direction
 
 __all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS"]
 
-#: Rows of the amax history buffers unless a module asks for others (TE's default length).
-DEFAULT_HISTORY_ROWS = 1024
-
-_EXTRA_STATE_KEY = "_extra_state"
-
-
-class ScalingBuffers(NamedTuple):
-    """The live buffers of one direction (views into the module, not copies)."""
-
-    amax_history: torch.Tensor
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
+#: What :meth:`FP8StateMixin.fp8_meta` returns: the live buffers of one direction (the
+#: module's own tensors, not copies), as the schema's :class:`~fp8state.schema.DirectionState`.
+ScalingBuffers = DirectionState
 
 
-def _buffer_name(direction: str, field: str) -> str:
-    return f"fp8_{direction}_{field}"
-
-
-_BUFFER_NAMES = {d: tuple(_buffer_name(d, f) for f in ScalingBuffers._fields)
-                 for d in ("fwd", "bwd")}
-
-
-class FP8StateMixin(nn.Module):
+class FP8StateMixin(StepBookkeeping, nn.Module):
     """Base class of modules that own FP8 scaling metadata.
 
     Example:
@@ -130,15 +117,15 @@ class FP8StateMixin(nn.Module):
                 "scale_inv": torch.ones(n, dtype=torch.float32, device=device),
             }
             for field, tensor in initial.items():
-                self.register_buffer(_buffer_name(d, field), tensor, persistent=False)
+                self.register_buffer(buffer_name(d, field), tensor, persistent=False)
         self._fp8_num_gemms = num_gemms
         #: Bumped by every change of the metadata made through this class (records, updates,
-        #: loads, growth), so a staged payload (fp8state.staging) knows when it is stale.
+        #: loads, growth), so a staged payload (fp8state._runtime.staging) knows when it is stale.
         self._fp8_mutations = 0
         bump_buffer_generation()  # a new module may reuse a dead one's id()
         staging.register(self)
         # True when the next recorded amax opens a new step (shifts the history down).
-        self._fp8_new_step = {d: True for d in DIRECTIONS}
+        self._fp8_new_step: dict[Direction, bool] = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
         self.fp8_weight_cache: dict[
             int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -151,7 +138,7 @@ class FP8StateMixin(nn.Module):
         """Unpickling and ``copy.deepcopy`` make a new module without ``__init__``.
 
         It may reuse a dead module's ``id()``, so pointer tables keyed by module ids must be
-        rebuilt (fp8state.generation), and it joins future stagings like any other module.
+        rebuilt (fp8state._runtime.generation), and it joins future stagings like any other module.
         """
         super().__setstate__(state)
         if self._fp8_num_gemms is not None:
@@ -184,13 +171,14 @@ class FP8StateMixin(nn.Module):
         """Number of GEMMs declared in ``init_fp8_meta``."""
         return self._require_meta()
 
-    def fp8_meta(self, direction: str) -> ScalingBuffers:
+    def fp8_meta(self, direction: Direction) -> DirectionState:
         """The live buffers of ``direction`` (``"fwd"`` or ``"bwd"``)."""
         self._require_meta()
+        names = by_direction(direction, BUFFER_NAMES["fwd"], BUFFER_NAMES["bwd"])
         # _buffers directly: nn.Module.__getattr__ is slow, and this runs several times a step.
         buffers = self._buffers
-        hist, scale, scale_inv = (cast(torch.Tensor, buffers[n]) for n in _BUFFER_NAMES[direction])
-        return ScalingBuffers(hist, scale, scale_inv)
+        hist, scale, scale_inv = (cast(torch.Tensor, buffers[n]) for n in names)
+        return DirectionState(hist, scale, scale_inv)
 
     def fp8_state(self) -> FP8State:
         """The module's metadata and recipe as an :class:`~fp8state.schema.FP8State` (live)."""
@@ -212,8 +200,7 @@ class FP8StateMixin(nn.Module):
         metadata must stay float32 (the schema requires it, and a bf16 scale is not the scale
         that was computed). Device moves (``.to(device)``, ``.cuda()``, ``to_empty()``) apply.
         """
-        names = [_buffer_name(d, f) for d in DIRECTIONS for f in ScalingBuffers._fields]
-        before = {name: self._buffers.get(name) for name in names}
+        before = {name: self._buffers.get(name) for name in ALL_BUFFER_NAMES}
         result = super()._apply(fn, recurse)
         bump_buffer_generation()
         # Cached FP8 weights stay where they were cast: a move would leave them on the old
@@ -253,7 +240,7 @@ class FP8StateMixin(nn.Module):
 
     # ------------------------------------------------------------------ delayed scaling
     @torch.no_grad()
-    def fp8_record_amax(self, direction: str, slot: int, amax: torch.Tensor) -> None:
+    def fp8_record_amax(self, direction: Direction, slot: int, amax: torch.Tensor) -> None:
         """Record ``amax`` for ``slot`` of the current step.
 
         The first record after a scale update shifts the history down one row (a new step);
@@ -263,35 +250,35 @@ class FP8StateMixin(nn.Module):
         cell.copy_(scaling.record_amax(cell, amax))
 
     @torch.no_grad()
-    def fp8_amax_cell(self, direction: str, slot: int) -> torch.Tensor:
+    def fp8_amax_cell(self, direction: Direction, slot: int) -> torch.Tensor:
         """The 1-element history cell where ``slot`` records this step's amax (row 0).
 
         Opens a new step first if the last scale update closed one (the history shifts down),
         so a kernel can max-combine its amax straight into the returned view.
         """
         hist = self.fp8_meta(direction).amax_history
-        self._fp8_mutations += 1  # a kernel may write the cell without bumping its _version
+        self._fp8_touch()  # a kernel may write the cell without bumping its _version
         if self._fp8_new_step[direction]:
             hist.copy_(scaling.shift_history(hist))
             self._fp8_new_step[direction] = False
         return hist[0, slot : slot + 1]
 
-    def fp8_open_record(self, direction: str) -> bool:
+    def fp8_open_record(self, direction: Direction) -> bool:
         """Note a record into ``direction``'s row 0; True if it must open a new step first.
 
         For kernels that shift the history and record in one launch
-        (:func:`fp8state.cast.cast_slot`); :meth:`fp8_amax_cell` does the shift itself.
+        (:func:`fp8state._runtime.slot_cast.cast_slot`); :meth:`fp8_amax_cell` does the shift
+        itself.
         """
-        state = self.__dict__  # not nn.Module.__setattr__: this runs per cast, per step
-        state["_fp8_mutations"] += 1  # a kernel writes the history without bumping _version
-        new_step = state["_fp8_new_step"]
+        self._fp8_touch()  # a kernel writes the history without bumping _version
+        new_step = self._fp8_new_step
         if new_step[direction]:
             new_step[direction] = False
             return True
         return False
 
     @torch.no_grad()
-    def fp8_update_scales(self, direction: str, recipe: DelayedScaling | None = None) -> None:
+    def fp8_update_scales(self, direction: Direction, recipe: DelayedScaling | None = None) -> None:
         """Recompute ``direction``'s scales from its history (the end of a step).
 
         Args:
@@ -305,7 +292,7 @@ class FP8StateMixin(nn.Module):
         window, algo = recipe.amax_history_len, recipe.amax_compute_algo
         fp8_max, margin = recipe.fp8_format.max(direction), recipe.margin
         if kernels_available(meta.scale.device):
-            from fp8state.kernels.triton_update import update_scales_
+            from fp8state._kernels.triton_update import update_scales_
 
             update_scales_(meta.amax_history, meta.scale, meta.scale_inv, window=window,
                            algo=algo, fp8_max=fp8_max, margin=margin)
@@ -314,8 +301,7 @@ class FP8StateMixin(nn.Module):
                                                     algo=algo, fp8_max=fp8_max, margin=margin)
             meta.scale.copy_(scale)
             meta.scale_inv.copy_(scale_inv)
-        self._fp8_new_step[direction] = True
-        self.__dict__["_fp8_mutations"] += 1  # not nn.Module.__setattr__: once per step
+        self._fp8_close_step(direction)
 
     def _fp8_ensure_rows(self, rows: int) -> None:
         """Grow the history buffers to ``rows`` rows (zeros appended), warning once."""
@@ -332,7 +318,7 @@ class FP8StateMixin(nn.Module):
         """
         self._require_meta()  # a clear error for a subclass that never called init_fp8_meta
         # model.state_dict() asks every module in turn: the first request stages them all with
-        # one transfer, the others take their payload (see fp8state.staging).
+        # one transfer, the others take their payload (see fp8state._runtime.staging).
         payload = staging.take(self)
         if payload is not None:
             return payload
@@ -362,7 +348,7 @@ class FP8StateMixin(nn.Module):
             try:
                 validated = self._fp8_validate(state)
             except FP8StateError as err:
-                raise err.under(f"{type(self).__name__}.{_EXTRA_STATE_KEY}") from None
+                raise err.under(f"{type(self).__name__}.{EXTRA_STATE_KEY}") from None
         self._fp8_apply(validated)
 
     def _fp8_validate(self, state: Any) -> FP8State:
@@ -371,7 +357,7 @@ class FP8StateMixin(nn.Module):
 
     def _fp8_apply(self, state: FP8State) -> None:
         meta_io.apply_to(self, state)
-        self.__dict__["_fp8_mutations"] += 1  # not nn.Module.__setattr__: once per module
+        self._fp8_touch()
         bump_buffer_generation()
 
     def _load_from_state_dict(
@@ -384,7 +370,7 @@ class FP8StateMixin(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        key = prefix + _EXTRA_STATE_KEY
+        key = prefix + EXTRA_STATE_KEY
         if key in state_dict:
             try:
                 validated = self._fp8_validate(state_dict[key])
@@ -398,3 +384,7 @@ class FP8StateMixin(nn.Module):
             )
         finally:
             self._fp8_pending_load = None
+
+    def _fp8_has_meta(self) -> bool:
+        """Part of the friend interface (fp8state._runtime.friend): init_fp8_meta ran."""
+        return self._fp8_num_gemms is not None

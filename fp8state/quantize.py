@@ -7,8 +7,15 @@ Shared by both GEMM backends, so the emulation on CPU runs exactly the scaling m
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["finite_amax", "quantize", "dequantize"]
+from fp8state.errors import ConfigError
+
+__all__ = ["finite_amax", "quantize", "dequantize", "CAST_OPS", "apply_op"]
+
+#: What a slot cast can cast (:func:`apply_op` defines each); the Triton kernel numbers them in
+#: this order.
+CAST_OPS = ("identity", "gelu", "dgelu")
 
 
 def finite_amax(x_hp: torch.Tensor) -> torch.Tensor:
@@ -42,3 +49,16 @@ def quantize(x_hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
 def dequantize(x_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x_fp8 * scale_inv`` in ``dtype`` (computed in float32)."""
     return (x_fp8.to(torch.float32) * scale_inv.reshape(())).to(dtype)
+
+
+def apply_op(x: torch.Tensor, op: str, aux: torch.Tensor | None = None) -> torch.Tensor:
+    """The value a slot cast casts for ``op`` (reference definition, float32 math)."""
+    if op == "identity":
+        return x
+    if op == "gelu":
+        return F.gelu(x.float(), approximate="tanh")
+    if op == "dgelu" and aux is not None:
+        return torch.ops.aten.gelu_backward(x.float(), aux.float(), approximate="tanh")
+    raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
+                      "'identity', 'gelu', or 'dgelu' with aux",
+                      "Pass one of the supported ops (this is a bug in the caller).")

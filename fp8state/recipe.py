@@ -8,7 +8,11 @@ from typing import Literal
 from fp8state.errors import RecipeError
 from fp8state.formats import Format
 
-__all__ = ["DelayedScaling", "AMAX_COMPUTE_ALGOS"]
+__all__ = ["DelayedScaling", "AMAX_COMPUTE_ALGOS", "DEFAULT_HISTORY_ROWS"]
+
+#: TE's default amax history length: the rows of a module's history buffers unless it asks for
+#: others, and the default window of :class:`DelayedScaling`.
+DEFAULT_HISTORY_ROWS = 1024
 
 # Schema codes of ``amax_compute_algo`` (``recipe.amax_compute_algo``): never renumber.
 AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
@@ -43,7 +47,7 @@ class DelayedScaling:
 
     margin: int = 0
     fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
+    amax_history_len: int = DEFAULT_HISTORY_ROWS
     amax_compute_algo: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self) -> None:

@@ -13,17 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from fp8state._payload_checks import (
+    check_consistency,
+    check_flat,
+    check_values,
+    int_scalar,
+    payload_key,
+)
 from fp8state.errors import RecipeError, SchemaError, SchemaVersionError
-from fp8state.recipe import DelayedScaling
-from fp8state.slots import BWD_SLOTS_PER_GEMM, FWD_SLOTS_PER_GEMM
+from fp8state.recipe import DEFAULT_HISTORY_ROWS, DelayedScaling
+from fp8state.slots import (
+    BWD_SLOTS_PER_GEMM,
+    DIRECTIONS,
+    FWD_SLOTS_PER_GEMM,
+    Direction,
+    by_direction,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EXTRA_STATE_KEY",
+    "is_extra_state_key",
     "DIRECTIONS",
+    "TENSOR_FIELDS",
     "PAYLOAD_KEYS",
     "UPGRADERS",
     "DirectionState",
@@ -35,13 +51,42 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-DIRECTIONS = ("fwd", "bwd")
-_TENSOR_FIELDS = ("amax_history", "scale", "scale_inv")
+#: The state-dict key suffix of a module's extra state (PyTorch's name for it).
+EXTRA_STATE_KEY = "_extra_state"
+
+
+def is_extra_state_key(key: object) -> bool:
+    """True for ``"_extra_state"`` and ``"<module>._extra_state"``.
+
+    Example:
+        >>> from fp8state.schema import is_extra_state_key
+        >>> is_extra_state_key("blocks.0._extra_state"), is_extra_state_key("blocks.0.weight")
+        (True, False)
+    """
+    return isinstance(key, str) and (
+        key == EXTRA_STATE_KEY or key.endswith("." + EXTRA_STATE_KEY)
+    )
+
+
+class DirectionState(NamedTuple):
+    """Metadata of one direction: ``amax_history (rows, n)``, ``scale (n,)``, ``scale_inv (n,)``.
+
+    A module's live buffers (:meth:`fp8state.FP8StateMixin.fp8_meta`) and a validated payload
+    (:func:`unpack`) both come as one; it unpacks as ``hist, scale, scale_inv``.
+    """
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+#: The tensors of one direction, in buffer and payload order.
+TENSOR_FIELDS: tuple[str, ...] = DirectionState._fields
 _RECIPE_FIELDS = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
 #: A payload's keys, in the order :func:`pack` writes them.
 PAYLOAD_KEYS = (
     "schema_version",
-    *(f"{d}.{f}" for d in DIRECTIONS for f in _TENSOR_FIELDS),
+    *(f"{d}.{f}" for d in DIRECTIONS for f in TENSOR_FIELDS),
     *(f"recipe.{f}" for f in _RECIPE_FIELDS),
 )
 _REQUIRED = frozenset(PAYLOAD_KEYS)
@@ -54,7 +99,7 @@ Payload = dict[str, torch.Tensor]
 UPGRADERS: dict[int, Callable[[Mapping[str, Any]], Payload]] = {}
 
 
-def slots_per_gemm(direction: str) -> int:
+def slots_per_gemm(direction: Direction) -> int:
     """3 forward or 2 backward slots per GEMM (TE's layout).
 
     Example:
@@ -62,16 +107,7 @@ def slots_per_gemm(direction: str) -> int:
         >>> slots_per_gemm("fwd"), slots_per_gemm("bwd")
         (3, 2)
     """
-    return FWD_SLOTS_PER_GEMM if direction == "fwd" else BWD_SLOTS_PER_GEMM
-
-
-@dataclass(frozen=True)
-class DirectionState:
-    """Metadata of one direction: ``amax_history (rows, n)``, ``scale (n,)``, ``scale_inv (n,)``."""
-
-    amax_history: torch.Tensor
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
+    return by_direction(direction, FWD_SLOTS_PER_GEMM, BWD_SLOTS_PER_GEMM)
 
 
 @dataclass(frozen=True)
@@ -99,9 +135,9 @@ class FP8State:
         """GEMM count implied by the slot counts."""
         return int(self.fwd.scale.shape[0]) // FWD_SLOTS_PER_GEMM
 
-    def direction(self, name: str) -> DirectionState:
+    def direction(self, name: Direction) -> DirectionState:
         """``self.fwd`` or ``self.bwd`` by name."""
-        return self.fwd if name == "fwd" else self.bwd
+        return by_direction(name, self.fwd, self.bwd)
 
 
 def pack(state: FP8State) -> Payload:
@@ -120,7 +156,7 @@ def pack(state: FP8State) -> Payload:
         >>> all(torch.equal(again[k], payload[k]) for k in payload)
         True
     """
-    parts = [getattr(state.direction(d), f) for d in DIRECTIONS for f in _TENSOR_FIELDS]
+    parts = [getattr(state.direction(d), f) for d in DIRECTIONS for f in TENSOR_FIELDS]
     if parts[0].device.type == "cpu":
         host = [p.detach().clone() for p in parts]
     else:
@@ -132,7 +168,7 @@ def pack(state: FP8State) -> Payload:
     # device="cpu": a `with torch.device(...)` default must not move the payload.
     payload: Payload = {"schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64,
                                                        device="cpu")}
-    names = [f"{d}.{f}" for d in DIRECTIONS for f in _TENSOR_FIELDS]
+    names = [f"{d}.{f}" for d in DIRECTIONS for f in TENSOR_FIELDS]
     payload.update(zip(names, host, strict=True))
     for field, value in state.recipe.to_scalars().items():
         payload[f"recipe.{field}"] = torch.tensor(value, dtype=torch.int64, device="cpu")
@@ -140,7 +176,7 @@ def pack(state: FP8State) -> Payload:
 
 
 def default_payload(
-    num_gemms: int, rows: int = 1024, recipe: DelayedScaling | None = None
+    num_gemms: int, rows: int = DEFAULT_HISTORY_ROWS, recipe: DelayedScaling | None = None
 ) -> Payload:
     """Payload of a module that never ran in FP8: zero histories, scales and scale_invs of 1.
 
@@ -152,9 +188,9 @@ def default_payload(
         >>> int(payload["schema_version"]), int(payload["recipe.amax_history_len"])
         (1, 4)
     """
-    recipe = recipe or DelayedScaling(amax_history_len=min(1024, rows))
+    recipe = recipe or DelayedScaling(amax_history_len=min(DEFAULT_HISTORY_ROWS, rows))
 
-    def direction(d: str) -> DirectionState:
+    def direction(d: Direction) -> DirectionState:
         n = num_gemms * slots_per_gemm(d)
         return DirectionState(torch.zeros(rows, n), torch.ones(n), torch.ones(n))
 
@@ -199,71 +235,27 @@ def unpack(payload: object, *, num_gemms: int | None = None) -> FP8State:
             "Pass what an fp8state module's get_extra_state() returned; for a "
             "TransformerEngine checkpoint use fp8state.migrate.load_te_checkpoint.",
         )
-    payload = _upgrade(_check_flat(payload))
+    payload = _upgrade(check_flat(payload))
     _check_keys(payload)
     recipe = _unpack_recipe(payload)
     fwd = _unpack_direction(payload, "fwd")
     bwd = _unpack_direction(payload, "bwd")
-    _check_consistency(fwd, bwd, recipe, num_gemms)
-    _check_values(payload)
+    check_consistency(fwd, bwd, recipe.amax_history_len, num_gemms)
+    check_values(payload)
     return FP8State(fwd, bwd, recipe)
-
-
-def _key(name: str) -> str:
-    return f"[{name!r}]"
-
-
-def _check_flat(payload: Mapping[Any, Any]) -> Mapping[str, torch.Tensor]:
-    for name, value in payload.items():
-        # The all-valid case in one test per entry (this runs for every module of a model).
-        if type(name) is str and isinstance(value, torch.Tensor) and value.is_cpu \
-                and value.layout == torch.strided:
-            continue
-        if not isinstance(name, str):
-            raise SchemaError(
-                _key(name), f"a key of type {type(name).__name__}", "string keys only",
-                "The payload is not an fp8state extra state.",
-            )
-        if not isinstance(value, torch.Tensor):
-            raise SchemaError(
-                _key(name), f"a {type(value).__name__}", "a torch.Tensor (the schema is flat)",
-                "Do not nest containers in the payload; see docs/schema.md.",
-            )
-        if value.is_meta:
-            raise SchemaError(
-                _key(name), "a tensor on the meta device (it holds no data)",
-                "a tensor on a real device",
-                "Load the checkpoint itself, not a state_dict() of a model built on 'meta'.",
-            )
-        if value.layout != torch.strided:
-            raise SchemaError(
-                _key(name), f"layout {value.layout}", "a dense (strided) tensor",
-                "Convert it with .to_dense() before loading.",
-            )
-    return payload
-
-
-def _int_scalar(payload: Mapping[str, torch.Tensor], name: str) -> int:
-    value = payload[name]
-    if value.dtype != torch.int64 or value.dim() != 0:
-        raise SchemaError(
-            _key(name), f"dtype {value.dtype} with shape {tuple(value.shape)}",
-            "a 0-d torch.int64 tensor", "The checkpoint is corrupt or was edited by hand.",
-        )
-    return int(value.item())
 
 
 def _upgrade(payload: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     if "schema_version" not in payload:
         raise SchemaError(
-            _key("schema_version"), "no such key", "an int64 schema version",
+            payload_key("schema_version"), "no such key", "an int64 schema version",
             "The payload is not an fp8state extra state; for a TransformerEngine checkpoint "
             "use `fp8state migrate` or fp8state.migrate.load_te_checkpoint.",
         )
-    version = _int_scalar(payload, "schema_version")
+    version = int_scalar(payload, "schema_version")
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
-            _key("schema_version"), f"version {version}",
+            payload_key("schema_version"), f"version {version}",
             f"at most version {SCHEMA_VERSION}, the newest this fp8state can read",
             "Upgrade fp8state to read this checkpoint.",
         )
@@ -271,12 +263,12 @@ def _upgrade(payload: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         step = UPGRADERS.get(version)
         if step is None:
             raise SchemaVersionError(
-                _key("schema_version"), f"version {version}",
+                payload_key("schema_version"), f"version {version}",
                 f"a version from 1 to {SCHEMA_VERSION}",
                 "No fp8state release wrote this version: the checkpoint is corrupt.",
             )
         payload = step(payload)
-        new_version = _int_scalar(payload, "schema_version")
+        new_version = int_scalar(payload, "schema_version")
         if new_version != version + 1:
             raise AssertionError(f"upgrader {version} produced version {new_version}")
         version = new_version
@@ -288,112 +280,53 @@ def _check_keys(payload: Mapping[str, torch.Tensor]) -> None:
     extra = sorted(payload.keys() - _REQUIRED)
     if missing:
         raise SchemaError(
-            _key(missing[0]), f"missing keys {missing}", f"all of {sorted(_REQUIRED)}",
+            payload_key(missing[0]), f"missing keys {missing}", f"all of {sorted(_REQUIRED)}",
             "The checkpoint is incomplete; re-save it from the model.",
         )
     if extra:
         raise SchemaError(
-            _key(extra[0]), f"unexpected keys {extra}",
+            payload_key(extra[0]), f"unexpected keys {extra}",
             f"only the schema-{SCHEMA_VERSION} keys",
             "A newer writer must raise schema_version; remove keys added by hand.",
         )
 
 
 def _unpack_recipe(payload: Mapping[str, torch.Tensor]) -> DelayedScaling:
-    scalars = {field: _int_scalar(payload, f"recipe.{field}") for field in _RECIPE_FIELDS}
+    scalars = {field: int_scalar(payload, f"recipe.{field}") for field in _RECIPE_FIELDS}
     try:
         return DelayedScaling.from_scalars(scalars)
     except RecipeError as err:
         field = err.key.rsplit(".", 1)[-1]
         raise SchemaError(
-            _key(f"recipe.{field}"), err.found, err.expected, err.fix
+            payload_key(f"recipe.{field}"), err.found, err.expected, err.fix
         ) from None
 
 
-def _unpack_direction(payload: Mapping[str, torch.Tensor], d: str) -> DirectionState:
-    for field in _TENSOR_FIELDS:
+def _unpack_direction(payload: Mapping[str, torch.Tensor], d: Direction) -> DirectionState:
+    for field in TENSOR_FIELDS:
         name = f"{d}.{field}"
         if payload[name].dtype != torch.float32:
             raise SchemaError(
-                _key(name), f"dtype {payload[name].dtype}", "torch.float32",
+                payload_key(name), f"dtype {payload[name].dtype}", "torch.float32",
                 "The checkpoint is corrupt or was edited by hand.",
             )
-    hist, scale, scale_inv = (payload[f"{d}.{f}"] for f in _TENSOR_FIELDS)
+    hist, scale, scale_inv = (payload[f"{d}.{f}"] for f in TENSOR_FIELDS)
     n = scale.shape[0] if scale.dim() == 1 else -1
     per = slots_per_gemm(d)
     if scale.dim() != 1 or n == 0 or n % per:
         raise SchemaError(
-            _key(f"{d}.scale"), f"shape {tuple(scale.shape)}",
+            payload_key(f"{d}.scale"), f"shape {tuple(scale.shape)}",
             f"(n,) with n a positive multiple of {per} ({per} slots per GEMM)",
             "The checkpoint is corrupt.",
         )
     if tuple(scale_inv.shape) != (n,):
         raise SchemaError(
-            _key(f"{d}.scale_inv"), f"shape {tuple(scale_inv.shape)}", f"({n},) like {d}.scale",
+            payload_key(f"{d}.scale_inv"), f"shape {tuple(scale_inv.shape)}", f"({n},) like {d}.scale",
             "The checkpoint is corrupt.",
         )
     if hist.dim() != 2 or hist.shape[0] < 1 or hist.shape[1] != n:
         raise SchemaError(
-            _key(f"{d}.amax_history"), f"shape {tuple(hist.shape)}",
+            payload_key(f"{d}.amax_history"), f"shape {tuple(hist.shape)}",
             f"(rows >= 1, {n}) matching {d}.scale", "The checkpoint is corrupt.",
         )
     return DirectionState(hist, scale, scale_inv)
-
-
-def _check_consistency(
-    fwd: DirectionState, bwd: DirectionState, recipe: DelayedScaling, num_gemms: int | None
-) -> None:
-    gemms_fwd = fwd.scale.shape[0] // FWD_SLOTS_PER_GEMM
-    gemms_bwd = bwd.scale.shape[0] // BWD_SLOTS_PER_GEMM
-    if gemms_fwd != gemms_bwd:
-        raise SchemaError(
-            _key("bwd.scale"), f"{bwd.scale.shape[0]} backward slots ({gemms_bwd} GEMMs)",
-            f"{2 * gemms_fwd} slots, for the {gemms_fwd} GEMMs of the forward direction",
-            "The checkpoint is corrupt.",
-        )
-    if num_gemms is not None and gemms_fwd != num_gemms:
-        raise SchemaError(
-            _key("fwd.scale"), f"metadata for {gemms_fwd} GEMM(s) ({fwd.scale.shape[0]} slots)",
-            f"{num_gemms} GEMM(s) ({FWD_SLOTS_PER_GEMM * num_gemms} slots) for this module",
-            "Load the checkpoint into the module type that saved it.",
-        )
-    rows = fwd.amax_history.shape[0]
-    if bwd.amax_history.shape[0] != rows:
-        raise SchemaError(
-            _key("bwd.amax_history"), f"{bwd.amax_history.shape[0]} rows",
-            f"{rows} rows like fwd.amax_history", "The checkpoint is corrupt.",
-        )
-    if recipe.amax_history_len > rows:
-        raise SchemaError(
-            _key("recipe.amax_history_len"), str(recipe.amax_history_len),
-            f"at most the {rows} rows the history holds", "The checkpoint is corrupt.",
-        )
-
-
-_SCALE_KEYS = tuple(f"{d}.{f}" for d in DIRECTIONS for f in ("scale", "scale_inv"))
-_HISTORY_KEYS = tuple(f"{d}.amax_history" for d in DIRECTIONS)
-
-
-def _check_values(payload: Mapping[str, torch.Tensor]) -> None:
-    # The common all-valid case in a handful of ops (and one host sync for a GPU payload):
-    # the extremes of every scale and of every history, from one concatenation.
-    scales = [payload[k] for k in _SCALE_KEYS]
-    flat = torch.cat([*scales, *(payload[k].reshape(-1) for k in _HISTORY_KEYS)])
-    split = sum(t.numel() for t in scales)
-    lo_s, hi_s, lo_h, hi_h = torch.stack(
-        [*torch.aminmax(flat[:split]), *torch.aminmax(flat[split:])]).tolist()
-    # min > 0 and max < inf; NaN fails both comparisons. For histories, min >= 0.
-    if lo_s > 0 and hi_s < float("inf") and lo_h >= 0 and hi_h < float("inf"):
-        return
-    for name in (*_SCALE_KEYS, *_HISTORY_KEYS):
-        t = payload[name]
-        scale_like = name in _SCALE_KEYS
-        ok = torch.isfinite(t) & ((t > 0) if scale_like else (t >= 0))
-        if not bool(ok.all()):
-            bad = t[~ok]
-            raise SchemaError(
-                _key(name), f"{bad.numel()} invalid value(s), e.g. {bad[0].item()!r}",
-                "finite values > 0" if scale_like else "finite values >= 0",
-                "The checkpoint is corrupt or came from a diverged run; load an earlier one "
-                "or reset this module's FP8 metadata.",
-            )

@@ -8,8 +8,40 @@ checkpoint is a copy, not a permutation.
 from __future__ import annotations
 
 import enum
+from typing import Literal, TypeVar
 
-__all__ = ["FwdSlot", "BwdSlot", "FWD_SLOTS_PER_GEMM", "BWD_SLOTS_PER_GEMM", "fwd_slot", "bwd_slot"]
+from fp8state.errors import ConfigError
+
+__all__ = [
+    "Direction", "DIRECTIONS", "by_direction", "FwdSlot", "BwdSlot", "FWD_SLOTS_PER_GEMM",
+    "BWD_SLOTS_PER_GEMM", "fwd_slot", "bwd_slot",
+]
+
+#: The two directions of FP8 metadata: forward (GEMM operands and outputs) and backward
+#: (gradients).
+Direction = Literal["fwd", "bwd"]
+#: Both directions, forward first: the order of buffers, payload keys and updates.
+DIRECTIONS: tuple[Direction, ...] = ("fwd", "bwd")
+
+_T = TypeVar("_T")
+
+
+def by_direction(direction: Direction, fwd: _T, bwd: _T) -> _T:
+    """``fwd`` or ``bwd``, chosen by ``direction``; any other value is an error.
+
+    Example:
+        >>> from fp8state.slots import by_direction
+        >>> by_direction("bwd", 3, 2)
+        2
+    """
+    if direction == "fwd":
+        return fwd
+    if direction == "bwd":
+        return bwd
+    raise ConfigError(
+        "direction", repr(direction), "'fwd' or 'bwd'", "Pass one of fp8state.slots.DIRECTIONS."
+    )
+
 
 FWD_SLOTS_PER_GEMM = 3
 BWD_SLOTS_PER_GEMM = 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8state.kernels._addresses import AddressTable
+from fp8state._kernels.addresses import AddressTable
 
 
 def test_still_valid_until_a_tensor_data_swap() -> None:

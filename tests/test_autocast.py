@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fp8state
-from fp8state import amax_reduction, autocast
+from fp8state import autocast
+from fp8state._runtime import amax_reduction
 from fp8state.errors import ConfigError
 from fp8state.recipe import DelayedScaling
 

@@ -184,8 +184,8 @@ def test_hidden_pids_make_the_per_process_check_inconclusive_not_passing() -> No
         "inconclusive")
 
 
-@pytest.mark.slow
-def test_cpu_dry_run_of_the_whole_proof(tmp_path: Path) -> None:
+def _dry_run(tmp_path: Path) -> None:
+    """Run the proof with ``--cpu-dry-run`` and check its report: every check passes or is n/a."""
     out = tmp_path / "proof.json"
     done = subprocess.run([sys.executable, str(_GPU_DIR / "two_gpu_device_proof.py"), str(out),
                            "--cpu-dry-run", "--timeout", "120"],
@@ -198,3 +198,64 @@ def test_cpu_dry_run_of_the_whole_proof(tmp_path: Path) -> None:
     assert sum(s == "pass" for s in statuses.values()) == 9
     ranks = report["scenarios"]["nccl_two_ranks"]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_of_the_whole_proof(tmp_path: Path) -> None:
+    _dry_run(tmp_path)
+
+
+#: Loaded first by every process of a dry run (``sitecustomize``): the probe's torch sees
+#: ``{count}`` CUDA devices, and asking it about any other index raises as torch does.
+_GPUS_SEEN = """
+import os
+import sys
+import types
+
+sys.path.insert(0, {gpu_dir!r})
+import device_probe
+
+with open({marker!r}, "a") as marker:
+    marker.write(f"{{os.getpid()}}\\n")
+
+
+def _check(device):
+    index = 0 if device is None else int(getattr(device, "index", device) or 0)
+    if not 0 <= index < {count}:
+        raise RuntimeError("hasPrimaryContext expects a valid device index, "
+                           f"but got device_index={{index}}")
+
+
+def _has_primary_context(device):
+    _check(device)
+    return False
+
+
+def _bytes(device=None):
+    _check(device)
+    return 0
+
+
+_cuda = types.SimpleNamespace(
+    is_available=lambda: True, device_count=lambda: {count}, memory_allocated=_bytes,
+    memory_reserved=_bytes, max_memory_allocated=_bytes)
+_c = types.SimpleNamespace(_cuda_hasPrimaryContext=_has_primary_context)
+device_probe.torch = types.SimpleNamespace(cuda=_cuda, _C=_c)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [1, 2], ids=["one-gpu", "two-gpus"])
+def test_cpu_dry_run_asks_cuda_about_no_device(tmp_path: Path, count: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dry run asks CUDA nothing, so it passes whatever GPUs the machine has: with one GPU,
+    asking about the ``cuda:1`` of a GPU run raises, and every scenario would die of it."""
+    shim, marker = tmp_path / "shim", tmp_path / "processes.txt"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        _GPUS_SEEN.format(gpu_dir=str(_GPU_DIR), marker=str(marker), count=count))
+    # Children inherit it (the proof adds the repository root to PYTHONPATH, keeping the rest).
+    monkeypatch.setenv("PYTHONPATH", str(shim), prepend=";" if sys.platform == "win32" else ":")
+    _dry_run(tmp_path)
+    # The proof, its saver, fresh loader, split model and two ranks all saw the simulated GPUs.
+    assert len(marker.read_text().split()) == 6

@@ -177,22 +177,12 @@ def test_folders_are_refused_with_the_right_pointer(tmp_path: Path) -> None:
         ckpt.load(tmp_path / "missing.pt")
 
 
-def _fixture_dirs() -> list[Path]:
-    root = Path(__file__).resolve().parents[1]
-    env = os.environ.get("FP8STATE_SHARED_FIXTURES")
-    candidates = [Path(env)] if env else []
-    candidates += [root / "shared" / "fixtures", root.parent / "shared" / "fixtures"]
-    return [c for c in candidates if (c / "te_legacy").is_dir()]
+#: The vendored TE fixtures (tests/fixtures/README.md): ten legacy eras and three real TE 2.20.
+_FIXTURES = Path(__file__).resolve().parent / "fixtures"
+_TE_FILES = sorted([*_FIXTURES.glob("te_legacy/te_E*.pt"), *_FIXTURES.glob("te_real*/*.pt")])
+assert len(_TE_FILES) == 13, f"TE fixtures missing at {_FIXTURES}"
 
 
-_TE_FILES = sorted(
-    p for d in _fixture_dirs()[:1]
-    for p in [*d.glob("te_legacy/te_E*.pt"), *d.glob("te_real*/*.pt")]
-)
-
-
-@pytest.mark.skipif(not _TE_FILES, reason="shared TE fixtures not found "
-                    "(set FP8STATE_SHARED_FIXTURES to shared/fixtures)")
 @pytest.mark.parametrize("path", _TE_FILES, ids=[p.name for p in _TE_FILES])
 def test_every_transformer_engine_fixture_points_at_migrate(path: Path) -> None:
     with pytest.raises(LegacyFormatError, match="fp8state migrate"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fp8state.cli import main
-from fp8state.demo import DemoConfig, run_demo
+from fp8state.cli._demo.training import DemoConfig, run_demo
 
 CPU = torch.device("cpu")
 

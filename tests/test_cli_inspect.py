@@ -140,7 +140,7 @@ def test_os_errors_are_one_line(tmp_path, capsys) -> None:
     assert err.startswith("fp8state inspect: error:") and "\n" not in err
 
 
-# ------------------------------------------------------------------ DCP folders (issue 5)
+# ------------------------------- DCP folders: shown like torch.save files, crafted ones run nothing
 
 
 def _trained_linears() -> torch.nn.Module:

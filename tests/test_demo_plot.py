@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fp8state.cli import main
-from fp8state.demo import TRACED_SLOTS, DemoConfig, build, run_demo, train_steps
+from fp8state.cli._demo.plot import demo_figure, plot_demo
+from fp8state.cli._demo.training import TRACED_SLOTS, DemoConfig, build, run_demo, train_steps
 from fp8state.errors import ConfigError
-from fp8state.plot import demo_figure, plot_demo
 
 CPU = torch.device("cpu")
 SMALL = DemoConfig(steps=6, hidden=16, ffn=32, blocks=1, batch=8)

@@ -50,6 +50,7 @@ NO_EXAMPLE = {
     "fp8state.errors.LegacyFormatError": "docs/faq.md (a TransformerEngine checkpoint)",
     "fp8state.errors.UnsafeCheckpointError": "docs/checkpoints.md (files you did not write)",
     "fp8state.errors.CheckpointError": "raised in fp8state.checkpoint.load_state_dict's example",
+    "fp8state.errors.StateDictError": "raised in fp8state.checkpoint.load_state_dict's example",
     "fp8state.errors.DistributedStateError": "needs several ranks: docs/checkpoints.md",
     "fp8state.errors.ConversionError": "docs/interop.md (convert_model's rules)",
     "fp8state.errors.ConfigError": "docs/faq.md (GPU requirements)",

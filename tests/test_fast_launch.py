@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8state.kernels import _launch
-from fp8state.kernels._launch import FastLauncher, int_spec
+from fp8state._kernels import launch as _launch
+from fp8state._kernels.launch import FastLauncher, int_spec
 
 
 class _Compiled:

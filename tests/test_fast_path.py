@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8state
+from fp8state._runtime.slot_cast import cast_and_record, fused_kernel_available
 from fp8state.backends import DEFAULT_MIN_GEMM_MACS, min_gemm_macs
-from fp8state.cast import cast_and_record, fused_kernel_available
 from fp8state.quantize import finite_amax, quantize
 
 H = 32

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8state
-from fp8state.modules import _fp8_mlp
+from fp8state.functional import mlp as _fp8_mlp
 
 
 def _pair(bias: bool) -> tuple[fp8state.LayerNormMLP, fp8state.LayerNormMLP]:

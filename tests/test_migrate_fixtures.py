@@ -1,4 +1,4 @@
-"""The public TE fixtures (../shared/fixtures): bit-exact conversion against their JSON truth,
+"""The public TE fixtures (tests/fixtures): bit-exact conversion against their JSON truth,
 strict loading into fp8state modules, and the two adversarial files."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fp8state.migrate.reader import read_checkpoint
 
 LEGACY = FIXTURES / "te_legacy"
 REAL = FIXTURES / "te_real_2.20"
-assert LEGACY.is_dir() and REAL.is_dir(), f"shared fixtures missing at {FIXTURES}"
+assert LEGACY.is_dir() and REAL.is_dir(), f"TE fixtures missing at {FIXTURES} (tests/fixtures)"
 LEGACY_FILES = sorted(LEGACY.glob("te_E*.pt"))
 REAL_FILES = sorted(REAL.glob("*.pt"))
 assert len(LEGACY_FILES) == 10 and len(REAL_FILES) == 3
@@ -51,7 +51,8 @@ def legacy(request: pytest.FixtureRequest) -> tuple[Path, dict[str, Any], Any, A
 
 
 def _expected_tensors(module: dict[str, Any], d: str, end: bool) -> dict[str, torch.Tensor]:
-    """The rules of issue 4, applied to the sidecar's TE-ordered values."""
+    """docs/migration.md's conversion rules (slots, scales, history order), applied to the
+    sidecar's TE-ordered values."""
     m = module[d]
     scale = _f32(m["scale"])
     inv = _f32(m["scale_inv"]) if m["scale_inv"] is not None else 1 / scale

@@ -17,9 +17,9 @@ from te_gen import Spec, extra_state
 from te_gen.adversarial import MARKER_TEXT, PLACES, TEPickleModule, payloads
 from te_gen.expect import FIXTURES
 
+from fp8state._te.unpickler import loads
 from fp8state.errors import FP8StateError, LegacyFormatError, UnsafeCheckpointError
 from fp8state.migrate import decode_te_extra_state, load_te_checkpoint
-from fp8state.migrate.unpickler import loads
 
 REPO = Path(__file__).resolve().parents[1]
 PAYLOAD_IDS = list(payloads("unused"))

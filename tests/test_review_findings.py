@@ -1,4 +1,5 @@
-"""Regression tests for bugs found in review (see the report of the review session)."""
+"""Regression tests for bugs found in code review: backward scale updates after a failed
+backward, the weight cache across a device move, pointer caches of a deep-copied module."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def test_deepcopied_module_counts_as_new_for_pointer_caches() -> None:
     # new modules without __init__, hence without init_fp8_meta's bump.
     import copy
 
-    from fp8state import staging
-    from fp8state.generation import buffer_generation
+    from fp8state._runtime import staging
+    from fp8state._runtime.generation import buffer_generation
 
     model = torch.nn.Sequential(fp8state.Linear(H, H), fp8state.Linear(H, H))
     before = buffer_generation()

@@ -1,4 +1,4 @@
-"""Batched get_extra_state (fp8state.staging): one transfer for a whole model, never stale."""
+"""Batched get_extra_state (fp8state._runtime.staging): one transfer per model, never stale."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fp8state
-from fp8state import staging
+from fp8state._runtime import staging
 from fp8state.schema import pack
 
 

@@ -11,7 +11,7 @@ import torch
 
 from fp8state.backends import resolve_backend
 from fp8state.cli import main
-from fp8state.demo import DemoConfig, build, pick_devices, train_steps
+from fp8state.cli._demo.training import DemoConfig, build, pick_devices, train_steps
 
 CPU = torch.device("cpu")
 

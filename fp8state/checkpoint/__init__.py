@@ -18,7 +18,6 @@
 The rules behind them are in ``docs/checkpoints.md``.
 """
 
-from fp8state.checkpoint._problems import StateDictError
 from fp8state.checkpoint.consolidation import ConsolidateResult, consolidate
 from fp8state.checkpoint.dcp_files import (
     DCPEntry,
@@ -32,6 +31,7 @@ from fp8state.checkpoint.plain import load_plain_state_dict, to_plain_state_dict
 from fp8state.checkpoint.plain_safetensors import load_safetensors, save_safetensors
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
+from fp8state.errors import StateDictError
 
 __all__ = [
     "load",

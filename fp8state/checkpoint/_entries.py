@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from fp8state.mixin import FP8StateMixin
+from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key
 
-EXTRA_STATE_SUFFIX = "_extra_state"
 _CHECKPOINT_WRAPPER_SEGMENT = "_checkpoint_wrapped_module"
 
 
@@ -94,8 +94,8 @@ def model_entries(model: nn.Module) -> list[Entry]:
                 entries.append(Entry(prefix + name, canonical + name, "buffer", module, name))
         if _has_extra_state(module):
             entries.append(Entry(
-                prefix + EXTRA_STATE_SUFFIX, canonical + EXTRA_STATE_SUFFIX, "extra", module,
-                EXTRA_STATE_SUFFIX,
+                prefix + EXTRA_STATE_KEY, canonical + EXTRA_STATE_KEY, "extra", module,
+                EXTRA_STATE_KEY,
             ))
     return entries
 
@@ -141,7 +141,7 @@ def iter_extra_states(obj: object, prefix: str = "") -> Iterator[tuple[str, obje
         if not isinstance(key, str):
             continue
         full = f"{prefix}{key}"
-        if key == EXTRA_STATE_SUFFIX or key.endswith("." + EXTRA_STATE_SUFFIX):
+        if is_extra_state_key(key):
             yield full, value
         elif isinstance(value, Mapping):
             yield from iter_extra_states(value, f"{full}.")

@@ -8,8 +8,8 @@ fused: its ``layer_norm_weight`` / ``layer_norm_bias`` are spelled as the origin
 
 from __future__ import annotations
 
-from fp8state._convert_build import FUSED_FROM_ATTR, FusedFrom
 from fp8state.checkpoint._entries import Entry
+from fp8state.convert import FUSED_FROM_ATTR, FusedFrom
 from fp8state.errors import CheckpointError
 
 __all__ = ["plain_keys"]

@@ -7,41 +7,12 @@ dict lacks, and an FP8 module's metadata missing from a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX
 from fp8state.errors import CheckpointError, FP8StateError
+from fp8state.schema import is_extra_state_key
 
 #: At most this many problems are spelled out in a message (all stay in ``problems``).
 _SHOWN = 20
-
-
-class StateDictError(CheckpointError):
-    """A state dict does not fit a model; nothing was loaded.
-
-    Its message lists the problems one per line, then says what was expected and what to do
-    on a line of its own.
-
-    Attributes:
-        problems: One :class:`~fp8state.errors.FP8StateError` per key at fault, each naming
-            the key, what was found, what was expected and the fix.
-    """
-
-    def __init__(
-        self,
-        key: str,
-        found: str,
-        expected: str,
-        fix: str,
-        problems: Sequence[FP8StateError] = (),
-    ) -> None:
-        super().__init__(key, found, expected, fix)
-        self.problems = tuple(problems)
-        # The list ends with a problem's own sentence; the summary gets a line of its own.
-        self.args = (f"{key}: found {found}\nExpected {expected}. {fix}",)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key, self.found, self.expected, self.fix, self.problems))
 
 
 def summarize(problems: Sequence[FP8StateError]) -> str:
@@ -51,13 +22,6 @@ def summarize(problems: Sequence[FP8StateError]) -> str:
     if len(problems) > _SHOWN:
         lines.append(f"  ... and {len(problems) - _SHOWN} more (see the error's .problems)")
     return "\n".join(lines)
-
-
-def is_extra_state_key(key: object) -> bool:
-    """True for ``"_extra_state"`` and ``"<module>._extra_state"``."""
-    return isinstance(key, str) and (
-        key == EXTRA_STATE_SUFFIX or key.endswith("." + EXTRA_STATE_SUFFIX)
-    )
 
 
 def missing_key(key: str) -> CheckpointError:

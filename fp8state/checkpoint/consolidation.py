@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from fp8state.checkpoint._entries import is_fp8_payload, iter_extra_states
-from fp8state.checkpoint._problems import StateDictError, keys_of, summarize
+from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
 from fp8state.checkpoint.io import refused_global
-from fp8state.errors import CheckpointError, FP8StateError
+from fp8state.errors import CheckpointError, FP8StateError, StateDictError
 from fp8state.schema import unpack
 
 __all__ = ["ConsolidateResult", "consolidate"]

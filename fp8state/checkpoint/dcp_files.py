@@ -18,12 +18,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
+from fp8state.checkpoint.dcp_untrusted import load_untrusted_dcp_state_dict
 from fp8state.errors import CheckpointError
 
 __all__ = ["DCPEntry", "is_dcp_checkpoint", "read_dcp_metadata", "load_dcp_state_dict"]
-
-METADATA_FILE = ".metadata"  # torch.distributed.checkpoint.filesystem writes this name
-
 
 @dataclass(frozen=True)
 class DCPEntry:
@@ -70,35 +69,6 @@ def _require_dcp(path: str | os.PathLike[str]) -> None:
             "Pass the folder dcp.save wrote; read a torch.save file with "
             "fp8state.checkpoint.load.",
         )
-
-
-def unreadable_metadata(path: str | os.PathLike[str], err: BaseException) -> CheckpointError:
-    """The error for a ``.metadata`` file that cannot be unpickled (truncated, corrupt)."""
-    return CheckpointError(
-        os.path.join(os.fspath(path), METADATA_FILE),
-        f"an unreadable metadata file ({type(err).__name__}: {err})",
-        "the metadata dcp.save wrote", "The checkpoint is incomplete or corrupt.",
-    )
-
-
-def dcp_failure(err: BaseException) -> BaseException:
-    """The error behind DCP's ``CheckpointException``, which wraps each rank's one.
-
-    Its own text is many lines (tracebacks included); the CLI prints errors as one line.
-    """
-    if isinstance(err, CheckpointException):
-        return next((cause for cause, _trace in err.failures.values()), err)
-    return err
-
-
-def unreadable_items(path: str | os.PathLike[str], err: BaseException) -> CheckpointError:
-    """The error for a failed DCP read, naming the cause (see :func:`dcp_failure`)."""
-    err = dcp_failure(err)
-    return CheckpointError(
-        os.fspath(path), f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
-        "a complete DCP checkpoint",
-        "A shard file (*.distcp) is missing or damaged; copy the whole folder again.",
-    )
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
@@ -183,9 +153,6 @@ def load_dcp_state_dict(
     """
     _require_dcp(path)
     if not trusted:
-        # Imported here: it pulls in fp8state.migrate's unpickler, which trusted reads skip.
-        from fp8state.checkpoint.dcp_untrusted import load_untrusted_dcp_state_dict
-
         return load_untrusted_dcp_state_dict(path, keys)
     try:
         return _load_with_empty_planner(path, keys)

@@ -3,7 +3,7 @@
 DCP's own reader unpickles the ``.metadata`` file with plain :mod:`pickle` and each non-tensor
 item with ``torch.load(weights_only=False)``: a crafted folder runs code the moment it is read.
 Here ``.metadata`` may name only DCP's metadata classes, sizes, dtypes, layouts and paths, and
-non-tensor items go through fp8state's allow-list unpickler (:mod:`fp8state.migrate.unpickler`,
+non-tensor items go through fp8state's allow-list unpickler (:mod:`fp8state._te.unpickler`,
 the one that reads TransformerEngine files). Tensor items are read by DCP itself, which already
 uses ``torch.load(weights_only=True)`` for them. ``fp8state inspect DIR`` reads folders this way;
 users get it as ``fp8state.checkpoint.load_dcp_state_dict(path, trusted=False)``.
@@ -27,14 +27,14 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fp8state.checkpoint.dcp_files import (
+from fp8state._te.unpickler import safe_torch_load
+from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
     dcp_failure,
     unreadable_items,
     unreadable_metadata,
 )
 from fp8state.errors import CheckpointError, FP8StateError, UnsafeCheckpointError
-from fp8state.migrate.unpickler import safe_torch_load
 
 __all__ = ["load_untrusted_dcp_state_dict"]
 

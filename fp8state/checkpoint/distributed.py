@@ -23,17 +23,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from fp8state.checkpoint._dcp_errors import dcp_failure
 from fp8state.checkpoint._entries import is_fp8_payload
 from fp8state.checkpoint._problems import (
-    StateDictError,
     keys_of,
     missing_fp8_metadata,
     summarize,
 )
-from fp8state.checkpoint.dcp_files import dcp_failure
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
-from fp8state.errors import CheckpointError, FP8StateError
+from fp8state.errors import CheckpointError, FP8StateError, StateDictError
 
 __all__ = ["dcp_save", "dcp_load"]
 

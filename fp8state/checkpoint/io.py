@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
 
+from fp8state._te.sniff import describe_te_value
 from fp8state.checkpoint._entries import iter_extra_states
 from fp8state.errors import CheckpointError, LegacyFormatError, UnsafeCheckpointError
 
@@ -26,27 +26,6 @@ _MIGRATE_FIX = (
     "(path) in Python), then load the converted file."
 )
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
-# TransformerEngine dict keys of the v0.3-v1.13 extra state, and the v2 recipe key.
-_TE_DICT_KEYS = frozenset({"scale_fwd", "amax_history_fwd", "recipe", "extra_fp8_variables"})
-_PICKLE_PROTO = 0x80  # first byte of a pickle of protocol 2 or newer
-
-
-def _te_era(value: object) -> str | None:
-    """Name the TransformerEngine extra-state form ``value`` looks like, or None."""
-    if value is None:
-        return "None (TransformerEngine <= 0.5, FP8 never used)"
-    if isinstance(value, list):
-        return f"a list of {len(value)} items (TransformerEngine 0.1-0.2)"
-    if isinstance(value, Mapping) and "schema_version" not in value:
-        if _TE_DICT_KEYS & {k for k in value if isinstance(k, str)}:
-            return "a dict of TransformerEngine FP8 metadata (TransformerEngine 0.3-0.5)"
-        return None
-    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
-        if value.numel() == 0:
-            return "an empty uint8 tensor (TransformerEngine >= 2.4, FP8 unused)"
-        if int(value[0]) == _PICKLE_PROTO:
-            return "a uint8 tensor of pickled bytes (TransformerEngine 0.6-0.11 or >= 2.0)"
-    return None
 
 
 def find_legacy_extra_states(obj: object) -> dict[str, str]:
@@ -66,7 +45,7 @@ def find_legacy_extra_states(obj: object) -> dict[str, str]:
     """
     found = {}
     for key, value in iter_extra_states(obj):
-        era = _te_era(value)
+        era = describe_te_value(value)
         if era is not None:
             found[key] = era
     return found

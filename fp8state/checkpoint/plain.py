@@ -22,18 +22,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fp8state.checkpoint._entries import EXTRA_STATE_SUFFIX, Entry, KeyResolver, model_entries
+from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries
 from fp8state.checkpoint._plain_names import plain_keys
-from fp8state.checkpoint._problems import StateDictError, keys_of, keys_of_strings, summarize
+from fp8state.checkpoint._problems import keys_of, keys_of_strings, summarize
 from fp8state.checkpoint._ties import tied_fills
 from fp8state.checkpoint.validate import validate_state_dict
-from fp8state.errors import CheckpointError, ConfigError, FP8StateError
+from fp8state.errors import CheckpointError, ConfigError, FP8StateError, StateDictError
 from fp8state.mixin import FP8StateMixin
-from fp8state.schema import default_payload
+from fp8state.schema import EXTRA_STATE_KEY, default_payload
 
 __all__ = ["load_plain_state_dict", "to_plain_state_dict"]
 
-_METADATA_MARK = EXTRA_STATE_SUFFIX + "."
+_METADATA_MARK = EXTRA_STATE_KEY + "."
 _MODES = ("drop", "separate")
 
 
@@ -214,7 +214,7 @@ def split_metadata_key(key: object) -> tuple[str, str] | None:
     at = key.rfind(_METADATA_MARK)
     if at < 0 or (at > 0 and key[at - 1] != "."):
         return None
-    return key[: at + len(EXTRA_STATE_SUFFIX)], key[at + len(_METADATA_MARK):]
+    return key[: at + len(EXTRA_STATE_KEY)], key[at + len(_METADATA_MARK):]
 
 
 def _with_metadata(

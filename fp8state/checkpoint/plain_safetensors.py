@@ -20,17 +20,17 @@ from torch import nn
 
 from fp8state.checkpoint._entries import model_entries
 from fp8state.checkpoint._plain_names import plain_keys
-from fp8state.checkpoint._safetensors_files import (
-    FP8_METADATA_MARK,
-    holds_fp8_metadata,
-    is_fp8_metadata_header,
-    safetensors_header,
-)
 from fp8state.checkpoint._ties import shared_tensor_names
 from fp8state.checkpoint.plain import (
     load_plain_state_dict,
     split_metadata_key,
     to_plain_state_dict,
+)
+from fp8state.checkpoint.safetensors_files import (
+    FP8_METADATA_MARK,
+    holds_fp8_metadata,
+    is_fp8_metadata_header,
+    safetensors_header,
 )
 from fp8state.errors import CheckpointError
 from fp8state.schema import SCHEMA_VERSION

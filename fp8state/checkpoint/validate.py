@@ -17,16 +17,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
 from fp8state.checkpoint._problems import (
-    StateDictError,
-    is_extra_state_key,
     keys_of,
     missing_fp8_metadata,
     missing_key,
     no_fp8_metadata,
     summarize,
 )
-from fp8state.errors import CheckpointError, FP8StateError
+from fp8state.errors import CheckpointError, FP8StateError, StateDictError
 from fp8state.mixin import FP8StateMixin
+from fp8state.schema import is_extra_state_key
 
 __all__ = ["load_state_dict", "validate_state_dict"]
 

@@ -19,7 +19,7 @@ __all__ = ["main"]
 
 # Sub-command modules, in the order `fp8state --help` lists them.
 _COMMANDS = {
-    "demo": "fp8state.cli.demo",
+    "demo": "fp8state.cli.demo_cmd",
     "inspect": "fp8state.cli.inspect_cmd",
     "migrate": "fp8state.cli.migrate_cmd",
     "consolidate": "fp8state.cli.consolidate_cmd",

@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from fp8state.checkpoint._safetensors_files import holds_fp8_metadata, read_header
 from fp8state.checkpoint.plain_safetensors import read_fp8_metadata_file
+from fp8state.checkpoint.safetensors_files import holds_fp8_metadata, read_header
 from fp8state.errors import CheckpointError
 from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
 

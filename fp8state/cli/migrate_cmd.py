@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from tqdm import tqdm
 
 from fp8state.errors import CheckpointError
-from fp8state.migrate.checkpoint import migrate_te_checkpoint
+from fp8state.migrate.te_checkpoint import migrate_te_checkpoint
 from fp8state.migrate.writer import save_atomically
 
 NAME = "migrate"

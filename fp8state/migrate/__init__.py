@@ -1,7 +1,7 @@
 """TransformerEngine checkpoints of every era (TE v0.1-v2.20) to fp8state, safely.
 
 Nothing here imports TransformerEngine or runs pickled code: pickled data goes through an
-allow-list unpickler (:mod:`fp8state.migrate.unpickler`). ``docs/migration.md`` describes the
+allow-list unpickler (:mod:`fp8state._te.unpickler`). ``docs/migration.md`` describes the
 formats, the conversion rules and the safety model.
 
 * :func:`decode_te_extra_state`: one ``_extra_state`` value -> a schema-1 payload or None.
@@ -9,18 +9,18 @@ formats, the conversion rules and the safety model.
   also returns the report; ``convert_te_state_dict`` converts a state dict already in memory).
 """
 
-from fp8state.migrate.checkpoint import (
+from fp8state._te.extra_state import (
+    DecodedExtraState,
+    decode_te_extra_state,
+    decode_te_value,
+)
+from fp8state.migrate.migration_report import EntryReport, MigrationReport
+from fp8state.migrate.te_checkpoint import (
     convert_te_state_dict,
     infer_num_gemms,
     load_te_checkpoint,
     migrate_te_checkpoint,
 )
-from fp8state.migrate.extra_state import (
-    DecodedExtraState,
-    decode_te_extra_state,
-    decode_te_value,
-)
-from fp8state.migrate.report import EntryReport, MigrationReport
 
 __all__ = [
     "decode_te_extra_state",

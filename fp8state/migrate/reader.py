@@ -1,6 +1,6 @@
 """Read a checkpoint file safely onto the CPU and remember where each tensor was saved.
 
-Wraps :func:`fp8state.migrate.unpickler.safe_torch_load` with the checks torch.load would not
+Wraps :func:`fp8state._te.unpickler.safe_torch_load` with the checks torch.load would not
 make for us: a truncated zip archive is reported as such, and a TorchScript archive is refused
 (torch.load would hand it to ``torch.jit.load``, which runs its code).
 """
@@ -14,8 +14,8 @@ from typing import IO, Any
 
 import torch
 
+from fp8state._te.unpickler import safe_torch_load
 from fp8state.errors import LegacyFormatError, UnsafeCheckpointError
-from fp8state.migrate.unpickler import safe_torch_load
 
 __all__ = ["ReadCheckpoint", "read_checkpoint", "describe_source"]
 

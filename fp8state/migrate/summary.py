@@ -9,9 +9,9 @@ from typing import IO, Any
 import torch
 
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
-from fp8state.migrate import report as rpt
-from fp8state.migrate.checkpoint import convert_read_checkpoint
+from fp8state.migrate import migration_report as rpt
 from fp8state.migrate.reader import ReadCheckpoint, read_checkpoint
+from fp8state.migrate.te_checkpoint import convert_read_checkpoint
 
 __all__ = ["ModuleRow", "CheckpointSummary", "summarize_checkpoint"]
 

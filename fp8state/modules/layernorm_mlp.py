@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from fp8state.errors import ConfigError
+from fp8state.functional import linear as _fp8_linear
+from fp8state.functional import mlp as _fp8_mlp
 from fp8state.mixin import FP8StateMixin
-from fp8state.modules import _fp8_linear, _fp8_mlp
 from fp8state.modules._params import (
     check_normalization,
     new_norm_params,
@@ -65,7 +66,7 @@ class LayerNormMLP(FP8StateMixin):
     """
 
     #: With ``activation="gelu"`` under ``fp8_autocast``, compute GELU and its derivative
-    #: inside the FP8 casts (fp8state/modules/_fp8_mlp.py): less memory traffic and no
+    #: inside the FP8 casts (fp8state/functional/mlp.py): less memory traffic and no
     #: high-precision activation or activation gradient in memory, but one backward per
     #: forward (as TE: a second backward through the same graph is an error). False runs fc1,
     #: GELU and fc2 as separate steps: the same slots, and for float32 inputs the same numbers

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from fp8state.functional import linear as _fp8_linear
 from fp8state.mixin import FP8StateMixin
-from fp8state.modules import _fp8_linear
 from fp8state.modules._params import new_param, reset_linear_
 
 __all__ = ["Linear"]

@@ -158,8 +158,16 @@ def torch_figures(index: int) -> dict[str, Any]:
     }
 
 
-def snapshot(index: int, pid: int, uuids: dict[int, str]) -> dict[str, Any]:
-    """Everything known about this process on ``cuda:index``, and the GPU's total use."""
+def snapshot(index: int, pid: int, uuids: dict[int, str], *, cuda: bool = True) -> dict[str, Any]:
+    """Everything known about this process on ``cuda:index``, and the GPU's total use.
+
+    ``cuda=False`` (the CPU dry run) asks neither CUDA nor NVML anything and reads what a
+    machine without CUDA reads, whatever GPUs this machine has: the dry run's ``cuda:1`` need
+    not exist (one GPU), and asking CUDA about it raises.
+    """
+    if not cuda:
+        return {"torch": {"available": False}, "process": process_on_gpu(pid, None, {}),
+                "gpu_memory_used_mib": None}
     gpus = smi_gpus() if torch.cuda.is_available() else None
     uuid = uuids.get(index)
     total = next((g["memory_used_mib"] for g in gpus or []

@@ -62,7 +62,8 @@ class Context:
         """Record what this process holds on ``cuda:index`` (after syncing its own work)."""
         if self.cuda:
             torch.cuda.synchronize(torch.cuda.current_device())
-        self.out["figures"][label] = device_probe.snapshot(index, os.getpid(), self.uuids)
+        self.out["figures"][label] = device_probe.snapshot(index, os.getpid(), self.uuids,
+                                                           cuda=self.cuda)
 
 
 def _same(model: nn.Module, expected_file: Path) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import fp8state
-from fp8state import amax_reduction
-from fp8state.amax_reduction import PendingSteps, reduce_and_update
+from fp8state._runtime import amax_reduction
+from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,8 +4,8 @@ CUDA + Triton only. An eager launch shifts the history inside the kernel through
 pair per stream, and finishes column sums through per-stream partial rows and tile counters;
 a captured launch must not bake those shared buffers in (another launch would reuse them
 between replays), so it shifts with tensor ops and takes buffers of its own
-(fp8state/cast.py, fp8state/kernels/triton_cast.py). Each replay here runs on new input
-values, interleaved with eager launches on the same stream, and must match an eager launch
+(fp8state/_runtime/slot_cast.py, fp8state/_kernels/cast_launch.py). Each replay here runs on new
+input values, interleaved with eager launches on the same stream, and must match an eager launch
 on a copy of the history bit for bit.
 """
 
@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from fp8state.cast import cast_slot
+from fp8state._runtime.slot_cast import cast_slot
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from fp8state.cast import cast_slot
+from fp8state._runtime.slot_cast import cast_slot
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,7 +81,7 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     copy, its transpose, the history and the snapshot equal those of the cast without sums.
     The last program of each column tile adds the partial rows up in the kernel.
     """
-    from fp8state.kernels import triton_cast
+    from fp8state._kernels import cast_launch
 
     gen = torch.Generator(device="cuda").manual_seed(shape[0])
     x = (torch.randn(*shape, device="cuda", generator=gen) * 7).to(torch.bfloat16)
@@ -89,7 +89,7 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     results = []
     for sums in (True, False):
         hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 2))
-        out = triton_cast._launch(x, scale, scale_inv, hist, 1, 3, torch.float8_e4m3fn,
+        out = cast_launch._launch(x, scale, scale_inv, hist, 1, 3, torch.float8_e4m3fn,
                                   transpose, snapshot=True, new_step=new_step, column_sums=sums,
                                   op="identity", aux=None, config=config if sums else None)
         results.append((*out, hist))
@@ -142,8 +142,7 @@ def test_fused_ops_match_reference_values(op, transpose) -> None:
     error), so a value right at an FP8 rounding boundary may land one step away: allowed for
     a tiny fraction of elements. Inputs reach -8, where tanh-based forms lose everything.
     """
-    from fp8state.cast import apply_op
-    from fp8state.quantize import finite_amax, quantize
+    from fp8state.quantize import apply_op, finite_amax, quantize
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = (torch.randn(2048, 768, device="cuda", generator=gen) * 3).to(torch.bfloat16)

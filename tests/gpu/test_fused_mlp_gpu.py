@@ -52,7 +52,7 @@ def test_fused_matches_unfused_on_gpu() -> None:
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("shape", [(1, 1), (130, 7), (256, 384), (1000, 129)])
 def test_fp8_transpose_kernel_is_exact(dtype: torch.dtype, shape: tuple[int, int]) -> None:
-    from fp8state.cast import transpose_fp8
+    from fp8state._runtime.slot_cast import transpose_fp8
 
     x = (torch.randn(shape, device="cuda") * 8).to(dtype)
     out = transpose_fp8(x)

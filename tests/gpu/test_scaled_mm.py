@@ -12,7 +12,7 @@ from _utils import sqnr
 
 import fp8state
 from fp8state.backends import fp8_gemm, scaled_mm_support
-from fp8state.demo import DemoConfig, run_demo
+from fp8state.cli._demo.training import DemoConfig, run_demo
 from fp8state.quantize import quantize
 
 _CUDA = torch.device("cuda")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fp8state
-from fp8state import staging
+from fp8state._runtime import staging
 from fp8state.schema import pack
 
 pytestmark = [
@@ -45,7 +45,7 @@ def test_cuda_state_dict_matches_pack_and_never_synchronizes_the_device(monkeypa
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_gather_kernel_matches_cat() -> None:
-    from fp8state.kernels.triton_gather import GatherTable, gather
+    from fp8state._kernels.triton_gather import GatherTable, gather
 
     tensors = [torch.randn(n, device="cuda") for n in (1, 3, 1024 * 3, 5000, 2)]
     assert torch.equal(gather(GatherTable(tensors)), torch.cat(tensors))

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from fp8state.cast import cast_and_record, fused_kernel_available
+from fp8state._runtime.slot_cast import cast_and_record, fused_kernel_available
 from fp8state.quantize import finite_amax, quantize
 
 pytestmark = [

@@ -20,7 +20,7 @@ pytestmark = [
 @pytest.mark.parametrize("margin", [0, 1, 5, 130, 400])
 @pytest.mark.parametrize(("rows", "n", "window"), [(1024, 3, 1024), (16, 6, 4), (7, 3000, 7)])
 def test_update_kernel_matches_reference(algo, margin, rows, n, window) -> None:
-    from fp8state.kernels.triton_update import update_scales_
+    from fp8state._kernels.triton_update import update_scales_
 
     gen = torch.Generator(device="cuda").manual_seed(rows * n + margin)
     history = torch.rand(rows, n, device="cuda", generator=gen) * 100
@@ -39,7 +39,7 @@ def test_update_kernel_matches_reference(algo, margin, rows, n, window) -> None:
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 def test_batched_update_matches_reference_per_module(algo) -> None:
-    from fp8state.kernels.triton_update import PointerTable, batched_update_scales_
+    from fp8state._kernels.triton_update import PointerTable, batched_update_scales_
 
     gen = torch.Generator(device="cuda").manual_seed(7)
     shapes = [(1024, 3), (1024, 6), (16, 3), (8, 6)] * 50

@@ -14,8 +14,8 @@ import torch
 from te_gen.history import TEMeta
 from te_gen.payloads import Truth
 
-#: ../shared/fixtures beside the repository (CI has the same layout).
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+#: The vendored copy of the TE fixtures in tests/fixtures (tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORMAT_CODES = {"E4M3": 0, "HYBRID": 1}
 ALGO_CODES = {"max": 0, "most_recent": 1}
 

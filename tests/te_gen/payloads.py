@@ -111,7 +111,8 @@ def _meta(era: str, spec: Spec) -> tuple[TEMeta, TEMeta]:
 
 
 def truth(era: str, spec: Spec, fwd: TEMeta, bwd: TEMeta) -> Truth:
-    """The expected conversion, from the rules of issue 4 (recipe) and the simulation."""
+    """The expected conversion: the recipe by docs/migration.md's conversion rules (stored
+    recipe, else stored fp8 maxima, else defaults), the rest from the simulation."""
     if era in STORES_RECIPE:
         fmt, margin, algo, defaulted = spec.fmt, spec.margin, spec.algo, ()
     else:

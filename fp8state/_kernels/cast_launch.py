@@ -1,0 +1,231 @@
+"""The host side of the one-pass FP8 cast: block shapes, scratch buffers and the launch.
+
+The kernel itself is :mod:`fp8state._kernels.triton_cast`; this file picks its configuration
+for a tensor's shape (:func:`default_config`), keeps its per-stream scratch, and launches it
+through the fast launcher (:func:`cast_transpose_amax`, :func:`cast_slot`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+
+from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned, raw_stream
+from fp8state._kernels.triton_cast import OPS, cast_kernel
+
+__all__ = ["cast_transpose_amax", "cast_slot", "default_config"]
+
+
+def default_config(rows: int, cols: int, transpose: bool, op: str = "identity",
+                   column_sums: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, split)`` for an ``(rows, cols)`` tensor.
+
+    ``split``: how many programs share one row block's columns, each walking its share
+    along the row; with ``column_sums``, how many share one column tile's rows, each walking
+    its share down the column (so its sums stay in registers until the end).
+
+    Measured on an H200 with ``benchmarks/profile_linear.py --sweep-only --cast-shape MxN
+    [--column-sums] [--op OP]`` (16384x4096 and 16384x16384 bf16). Without the transpose,
+    (8, 256, 8, 1) whole-row programs move 3.4-4.0 TB/s, the copy bandwidth. With it,
+    (64, 128, 4, 8) moves 3.1-3.5 TB/s (whole-row programs: 2.4): taller blocks write longer
+    runs of each transposed column and the column split gives every SM several programs.
+    GELU's derivative (two inputs) likes 8 warps, GELU itself (more arithmetic per byte)
+    smaller tiles. Smaller tensors get fewer rows per program. Column sums: eight programs
+    walk down each 64-column tile, 3.3 TB/s without the transpose; with it, 32 programs of
+    32-row blocks, 2.6 TB/s (8 of 64 rows: 2.3; about half that when programs walked along
+    rows and reduced every tile across warps). GELU's derivative with sums takes 128-column
+    tiles: 32 programs of 16 rows each (3.2 TB/s), or 8 of 32 rows with the transpose (2.8
+    TB/s, against 2.0 for 16 of 16).
+    """
+    if column_sums:
+        if op == "dgelu":
+            block_m, block_n, warps, split = (32, 128, 8, 8) if transpose else (16, 128, 8, 32)
+        elif transpose:
+            block_m, block_n, warps, split = 32, 64, 4, 32
+        else:
+            block_m, block_n, warps, split = 64, 64, 8, 8
+        # Narrow tensors: more programs per tile, so that there are some 512 in all.
+        split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
+        return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
+    if not transpose:
+        block_m, block_n, warps, split = 8, 256, 8, 1
+    elif op == "gelu":
+        block_m, block_n, warps, split = 32, 64, 8, 8
+    else:
+        block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
+    while block_m > 8 and triton.cdiv(rows, block_m) * split < 512:
+        block_m //= 2
+    return block_m, block_n, warps, max(1, min(split, triton.cdiv(cols, block_n)))
+
+
+def cast_transpose_amax(
+    x_2d: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    amax_cell: torch.Tensor,
+    transpose: bool,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FP8 copy of a contiguous 2-D CUDA tensor (and its transpose); amax into ``amax_cell``.
+
+    Args:
+        x_2d: ``(M, N)`` contiguous, bf16/fp16/fp32, on CUDA.
+        scale: 1-element float32 scale on the same device.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        amax_cell: 1-element float32 tensor (a view into the history), >= 0; receives
+            ``max(amax_cell, max(|x| over finite x))``.
+        transpose: Also return the ``(N, M)`` contiguous transpose.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, split)``; default from
+            :func:`default_config` (benchmarks/profile_linear.py sweeps the alternatives).
+    """
+    out, out_t, _, _ = _launch(x_2d, scale, scale, amax_cell, 0, 1, fp8_dtype, transpose,
+                               snapshot=False, new_step=False, column_sums=False,
+                               op="identity", aux=None, config=config)
+    return out, out_t
+
+
+def cast_slot(
+    x_2d: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    history: torch.Tensor,
+    slot: int,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool,
+    new_step: bool,
+    column_sums: bool = False,
+    op: str = "identity",
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Cast with slot ``slot``'s scale and record its amax, all in one launch.
+
+    Args:
+        x_2d: ``(M, N)`` contiguous, bf16/fp16/fp32, on CUDA.
+        scale: The direction's ``(n,)`` float32 scales (contiguous, same device).
+        scale_inv: The direction's ``(n,)`` float32 inverse scales.
+        history: The direction's ``(rows, n)`` float32 amax history.
+        slot: Which column of the three the operand uses.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        transpose: Also return the ``(N, M)`` contiguous transpose.
+        new_step: This is the direction's first record since its last scale update: the
+            history shifts down one row first (``scaling.shift_history``), in the same launch.
+        column_sums: Also return the column sums (a bias gradient), accumulated in float32
+            in the same pass and returned as ``Tensor.sum`` would: in ``x_2d``'s dtype for
+            ``op="identity"``, float32 for a computed value.
+        op: What is cast, computed in float32 in the same pass: ``"identity"`` (``x_2d``),
+            ``"gelu"`` (``gelu(x_2d)``, tanh approximation) or ``"dgelu"`` (``x_2d *
+            gelu'(aux)``). Amax, transpose and column sums are of that value.
+        aux: For ``"dgelu"``: the activation's input, shaped like ``x_2d``, contiguous.
+            ``op`` and ``aux`` are checked by the caller,
+            :func:`fp8state._runtime.slot_cast.cast_slot`.
+
+    Returns:
+        ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``; the snapshot
+        is a 1-element copy of ``scale_inv[slot]`` as it was when the cast ran.
+    """
+    return _launch(x_2d, scale, scale_inv, history, slot, history.shape[-1], fp8_dtype,
+                   transpose, snapshot=True, new_step=new_step, column_sums=column_sums,
+                   op=op, aux=aux)
+
+
+# One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
+# one after another, and each launch leaves its pair zeroed for the next.
+_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
+_LAUNCHER = FastLauncher(cast_kernel)
+# libdevice's fast division is NVIDIA's (ROCm builds of torch also report "cuda" devices).
+_FAST_DIV = torch.version.hip is None
+_FP8_MAX = {dtype: float(torch.finfo(dtype).max)
+            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _stream_key(device: torch.device) -> tuple[int, int]:
+    """``(device index, current stream)``: launches under one key run one after another."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, raw_stream(index)
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    key = _stream_key(device)
+    pair = _SCRATCH.get(key)
+    if pair is None:
+        pair = _SCRATCH[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return pair
+
+
+# Per device and stream: float32 room for the column sums' partial rows and one int32 counter
+# per column tile (each launch leaves its counters zeroed). A launch being captured into a
+# CUDA graph gets buffers of its own instead: replays keep the addresses they captured.
+_SUMS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _sum_scratch(device: torch.device, floats: int, tiles: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    key = _stream_key(device)
+    partial, counts = _SUMS.get(key) or (None, None)
+    if partial is None or partial.numel() < floats:
+        partial = torch.empty(floats, dtype=torch.float32, device=device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(tiles, dtype=torch.int32, device=device)
+    _SUMS[key] = partial, counts
+    return partial, counts
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str, column_sums: bool,
+          config: tuple[int, int, int, int] | None) -> tuple[Any, ...]:
+    """Everything about a launch that depends on shapes only (cached: this runs per cast)."""
+    block_m, block_n, warps, split = config or default_config(m, n, transpose, op,
+                                                              column_sums)
+    if column_sums:  # each program walks ``span`` rows of one column tile
+        span = triton.cdiv(triton.cdiv(m, split), block_m) * block_m
+        grid = (triton.cdiv(m, span), triton.cdiv(n, block_n))
+    else:  # each program walks ``span`` columns of one row block
+        span = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, span))
+    slots_block = triton.next_power_of_2(max(n_slots, 2))
+    specs = (block_m, block_n, warps, slots_block, int_spec(m), int_spec(n), int_spec(span))
+    return grid, block_m, block_n, warps, span, slots_block, specs
+
+
+def _launch(
+    x_2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor,
+    slot: int, n_slots: int, fp8_dtype: torch.dtype, transpose: bool, *, snapshot: bool,
+    new_step: bool, column_sums: bool, op: str, aux: torch.Tensor | None,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    m, n = x_2d.shape
+    device = x_2d.device
+    grid, block_m, block_n, warps, span, slots_block, specs = _plan(
+        m, n, transpose, n_slots, op, column_sums, config)
+    out = torch.empty((m, n), dtype=fp8_dtype, device=device)
+    out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
+    inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
+    scratch = _scratch(device) if new_step else scale
+    split_rows = column_sums and grid[0] > 1
+    if column_sums:  # as Tensor.sum: the input's dtype, or float32 for a computed value
+        sums = torch.empty(n, dtype=x_2d.dtype if op == "identity" else torch.float32,
+                           device=device)
+        partial, counts = _sum_scratch(device, grid[0] * n, grid[1]) if split_rows else (
+            sums, sums)
+    else:
+        sums = partial = counts = scale
+    rows = history.shape[0] if history.dim() == 2 else 1
+    code = OPS[op]
+    aux_t = aux if aux is not None else x_2d
+    key = (specs, x_2d.dtype, aux_t.dtype, fp8_dtype, transpose, snapshot, new_step,
+           column_sums, split_rows, code, ptr_aligned(x_2d), ptr_aligned(aux_t),
+           ptr_aligned(scale), ptr_aligned(scale_inv), ptr_aligned(history), ptr_aligned(sums))
+    _LAUNCHER(key, grid, (
+        x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, sums, partial,
+        counts, slot, n_slots, rows, m, n, span, _FP8_MAX[fp8_dtype], block_m, block_n,
+        transpose, snapshot, new_step, column_sums, split_rows, slots_block,
+        max(1, 2048 // slots_block), code, _FAST_DIV,
+    ), device, num_warps=warps)
+    return out, (out_t if transpose else None), inv_out, (sums if column_sums else None)

@@ -1,0 +1,177 @@
+"""One-pass FP8 cast on CUDA: amax, quantize and (optionally) the transposed copy together.
+
+Reads the high-precision tensor once and writes the FP8 tensor, its transpose if asked (the
+layout FP8 GEMMs need for the other operand of backward), and ``max(|x|)`` over finite
+elements into the slot's history cell, so no separate amax or transpose pass runs. The same
+launch can also open a new step (shift the history down one row first), copy the slot's
+inverse scale for backward, sum the columns (a bias gradient), and cast GELU of the input or
+the input times GELU's derivative instead of the input itself (:data:`OPS`).
+
+Programs form a 2-D grid (:func:`fp8state._kernels.cast_launch.default_config`): each takes
+one ``BLOCK_M``-row block and walks a range of its ``BLOCK_N`` column tiles, or, when it sums
+columns, one column tile and walks a range of its row blocks; one atomic per program for the
+amax. :mod:`fp8state._kernels.cast_launch` launches it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from fp8state.quantize import CAST_OPS
+
+__all__ = ["OPS", "cast_kernel"]
+
+
+@triton.jit
+def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr,
+               CHUNK: tl.constexpr):
+    """Shift the history down one row, zero row 0, write ``amax`` into row 0 of ``slot``.
+
+    Run by one program only, after every other program has finished with the history.
+    Chunks go from the bottom up so that each row is read before the chunk below overwrites
+    it; the barriers order each chunk's loads before its stores across the program's threads.
+    """
+    cols = tl.arange(0, SLOTS)
+    in_row = cols < n_slots
+    for done in range(0, hist_rows - 1, CHUNK):  # a positive step: Triton loops need one
+        dst = hist_rows - 1 - done - tl.arange(0, CHUNK)
+        mask = (dst >= 1)[:, None] & in_row[None, :]
+        moved = tl.load(hist_ptr + (dst - 1)[:, None] * n_slots + cols[None, :], mask=mask)
+        tl.debug_barrier()
+        tl.store(hist_ptr + dst[:, None] * n_slots + cols[None, :], moved, mask=mask)
+        tl.debug_barrier()
+    tl.store(hist_ptr + cols, tl.where(cols == slot, amax, 0.0), mask=in_row)
+
+
+# What the kernel casts: the input itself, GELU (tanh approximation) of it, or the input (an
+# incoming gradient) times GELU's derivative at ``aux`` (the activation's input).
+OPS = {name: code for code, name in enumerate(CAST_OPS)}
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _sigmoid_2u(u, FAST_DIV: tl.constexpr):
+    """``sigmoid(2u) = (1 + tanh(u)) / 2``, without tanh's cancellation near -1.
+
+    GELU (tanh form) is ``x * sigmoid(2u)``: written with ``1 + tanh(u)`` it loses all
+    relative precision for negative inputs (at x = -3.5 the sum is 3.5e-4), and a hardware
+    tanh's absolute error (about 2**-11 * |t|) would be larger than GELU itself there. exp and
+    a fast reciprocal keep about 1e-6 relative error everywhere, and 0 and 1 in the limits
+    (``1 / inf`` is 0). The exact IEEE division made the cast compute-bound (1.9 TB/s).
+    """
+    denominator = 1.0 + tl.exp(-2.0 * u)
+    if FAST_DIV:
+        return libdevice.fast_dividef(1.0, denominator)
+    else:
+        return 1.0 / denominator
+
+
+@triton.jit
+def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_DIV: tl.constexpr):
+    if OP == 1:
+        x = x * _sigmoid_2u(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x), FAST_DIV)
+    elif OP == 2:
+        h = tl.load(aux_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s = _sigmoid_2u(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h), FAST_DIV)
+        # d/dh [h * sigmoid(2u(h))] = s + 2 h s (1 - s) u'(h)
+        slope = s + 2.0 * h * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _KAPPA * h * h)
+        x = x * slope
+    return x
+
+
+@triton.jit
+def _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows, cols, M, N, scale, fp8_max, running,
+               TRANSPOSE: tl.constexpr, OP: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Cast one ``rows x cols`` tile (and store its transpose).
+
+    Returns the tile's float32 values (0 where masked out: they add nothing to a sum) and
+    ``running``, the elementwise maximum of finite ``|value|`` so far.
+    """
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offsets = rows[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
+    ax = tl.abs(x)
+    running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
+    scaled = x * scale
+    # Saturate like torch.clamp, keeping NaN (hardware min/max would turn it into a bound).
+    y = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max))
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, y, mask=mask)
+    if TRANSPOSE:
+        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y),
+                 mask=tl.trans(mask))
+    return x, running
+
+
+@triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
+def cast_kernel(
+    x_ptr, aux_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr, hist_ptr, scratch_ptr,
+    sums_ptr, partial_ptr, count_ptr, slot, n_slots, hist_rows, M, N, span, fp8_max,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
+    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, OP: tl.constexpr,
+    FAST_DIV: tl.constexpr,
+):
+    # span is a multiple of the block along the program's loop and specialized (Triton then
+    # knows each tile starts aligned and vectorizes the loads; unspecialized, the cast ran at
+    # 2/3 the speed).
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    scale = tl.load(scale_ptr + slot)
+    if SNAPSHOT:  # the inverse scale as of this cast, for backward (the live one moves on)
+        tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=(pid_m == 0) & (pid_n == 0))
+    running = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if COLSUM:
+        # Program (pid_m, pid_n): one BLOCK_N column tile, ``span`` rows of it, walked down.
+        # The sums stay elementwise in registers and are reduced across rows once at the
+        # end: a cross-warp reduction per tile (programs walking along a row) halved the
+        # cast's bandwidth.
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        first = pid_m * span
+        for start in range(first, tl.minimum(first + span, M), BLOCK_M):
+            x, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr,
+                                    start + tl.arange(0, BLOCK_M), cols, M, N, scale, fp8_max,
+                                    running, TRANSPOSE, OP, FAST_DIV)
+            sums += x
+        part, in_cols = tl.sum(sums, axis=0), cols < N
+        if SPLIT_ROWS:
+            # Several programs per column tile: each leaves its partial row and counts itself
+            # done (acq_rel: the row is visible to whoever counts last); the last one adds the
+            # rows up in row order (bit-reproducible), reading past L1, and resets the tile's
+            # counter for the next launch on this stream. No reduction launched afterwards.
+            tl.store(partial_ptr + pid_m * N + cols, part, mask=in_cols)
+            if tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(0) - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for row in range(0, tl.num_programs(0)):
+                    total += tl.load(partial_ptr + row * N + cols, mask=in_cols, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(sums_ptr + cols, total.to(sums_ptr.dtype.element_ty), mask=in_cols)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
+        else:
+            tl.store(sums_ptr + cols, part.to(sums_ptr.dtype.element_ty), mask=in_cols)
+    else:
+        # Program (pid_m, pid_n): BLOCK_M rows, ``span`` columns of them in BLOCK_N tiles.
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = pid_n * span
+        for start in range(first, tl.minimum(first + span, N), BLOCK_N):
+            _, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows,
+                                    start + tl.arange(0, BLOCK_N), M, N, scale, fp8_max,
+                                    running, TRANSPOSE, OP, FAST_DIV)
+    amax = tl.max(tl.max(running, axis=1), axis=0)
+    if SHIFT:
+        # First record of a step: the history must shift before row 0 takes this amax, and
+        # other programs are still running. Each program max-combines its amax into scratch
+        # (as int bits: same order as the floats, all >= 0) and counts itself done; the last
+        # one shifts and writes, then resets scratch for the next launch on this stream.
+        tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
+        done = tl.atomic_add(scratch_ptr + 1, 1)
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
+            tl.atomic_xchg(scratch_ptr + 1, 0)
+            _open_step(hist_ptr, slot, n_slots, hist_rows, total, SLOTS, CHUNK)
+    else:
+        tl.atomic_max(hist_ptr + slot, amax)

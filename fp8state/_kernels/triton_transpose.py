@@ -1,0 +1,36 @@
+"""The contiguous transpose of a 2-D one-byte (FP8) CUDA tensor, in one launch.
+
+LayerNormMLP transposes GELU's FP8 output and its FP8 gradient with it, after their casts
+(see :mod:`fp8state.functional.mlp`). PyTorch's generic strided copy moves one-byte elements well
+below the copy bandwidth; square tiles read and written whole do better.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["transpose_bytes"]
+
+
+@triton.jit
+def _transpose_kernel(src, dst, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    tile = tl.load(src + r[:, None].to(tl.int64) * cols + c[None, :], mask=mask)
+    # dst[c, r] = src[r, c]: write the tile transposed, rows of dst contiguous.
+    tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], tile, mask=mask)
+
+
+def transpose_bytes(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``x.t().contiguous()`` for a contiguous 2-D CUDA tensor of a one-byte dtype."""
+    rows, cols = x.shape
+    raw = x.view(torch.uint8)
+    out = torch.empty((cols, rows), dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        _transpose_kernel[grid](raw, out, rows, cols, BLOCK_R=block, BLOCK_C=block,
+                                num_warps=8)
+    return out.view(x.dtype)

@@ -1,0 +1,107 @@
+"""End of a step: reduce the recorded amaxes across ranks, then update every module's scales.
+
+One collective per (recipe, group, device) and direction, whatever the number of modules: row
+0 of every module's history is concatenated into one buffer, all-reduced with MAX, and written
+back before the scales are recomputed. On CUDA the scales of all modules of a group are then
+updated by one kernel launch reading the modules' buffers through a cached pointer table;
+elsewhere module by module, with the same arithmetic (bit-identical results either way).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from fp8state._runtime.buffers import buffer_name
+from fp8state._runtime.friend import FP8Friend
+from fp8state._runtime.generation import buffer_generation
+from fp8state._runtime.slot_cast import kernels_available
+from fp8state.recipe import DelayedScaling
+from fp8state.slots import Direction
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["PendingSteps", "reduce_and_update", "should_reduce"]
+
+_Key = tuple[DelayedScaling, "ProcessGroup | None", torch.device]
+
+# Pointer tables of recent module sets, so a training loop's steady state builds none. A few
+# entries: one per (direction, module set) that alternates in a loop, e.g. several models.
+_TABLES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_TABLE_CACHE_SIZE = 16
+_FWD_SCALE = buffer_name("fwd", "scale")
+
+
+class PendingSteps:
+    """Modules that recorded amaxes in the current step, grouped by how they reduce.
+
+    Insertion order is forward (or backward) execution order, identical on every rank that
+    runs the same model, so the collectives match across ranks.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[_Key, dict[int, FP8Friend]] = {}
+
+    def add(self, module: FP8Friend, recipe: DelayedScaling, group: ProcessGroup | None
+            ) -> None:
+        """Add ``module`` once per step."""
+        # _buffers directly: nn.Module.__getattr__ is slow, and this runs per module per step.
+        device = module._buffers[_FWD_SCALE].device  # type: ignore[union-attr]
+        self.groups.setdefault((recipe, group, device), {})[id(module)] = module
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.groups.values())
+
+
+def should_reduce(group: ProcessGroup | None) -> bool:
+    """True when ``group`` (None: the default group) spans more than one initialized rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+@torch.no_grad()
+def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
+    """Reduce row 0 of every pending module's ``direction`` history, then update its scales."""
+    for (recipe, group, device), members in pending.groups.items():
+        modules = list(members.values())
+        if should_reduce(group):
+            rows = [m.fp8_meta(direction).amax_history[0] for m in modules]
+            flat = torch.cat(rows)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            torch._foreach_copy_(rows, list(flat.split([r.numel() for r in rows])))
+        if len(modules) > 1 and kernels_available(device):
+            _update_batched(direction, recipe, members)
+        else:
+            for module in modules:
+                module.fp8_update_scales(direction, recipe)
+
+
+def _update_batched(direction: Direction, recipe: DelayedScaling,
+                    members: dict[int, FP8Friend]) -> None:
+    """One kernel launch for every module of ``members`` (CUDA, Triton)."""
+    from fp8state._kernels.triton_update import PointerTable, batched_update_scales_
+
+    # A table is cached under the recipe and the replacement count: a hit means every module
+    # already has this recipe (changing a module's recipe bumps the count), so the per-module
+    # recipe check only runs when the table is built.
+    ids = tuple(members)
+    table = _TABLES.get((direction, ids, buffer_generation(), recipe))
+    if table is None or not table.still_valid():
+        for module in members.values():
+            current = module.fp8_recipe
+            if current is not recipe and current != recipe:
+                module.fp8_recipe = recipe  # may grow buffers: before the table is built
+        key = (direction, ids, buffer_generation(), recipe)
+        metas = [m.fp8_meta(direction) for m in members.values()]
+        table = PointerTable([m.amax_history for m in metas], [m.scale for m in metas],
+                             [m.scale_inv for m in metas], recipe.amax_history_len)
+        _TABLES[key] = table
+        while len(_TABLES) > _TABLE_CACHE_SIZE:
+            _TABLES.popitem(last=False)
+    batched_update_scales_(table, algo=recipe.amax_compute_algo,
+                           fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin)
+    for module in members.values():
+        module._fp8_close_step(direction)

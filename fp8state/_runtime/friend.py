@@ -1,0 +1,110 @@
+"""The friend interface: what fp8state's runtime may ask of an FP8 module, and nothing more.
+
+:class:`fp8state.FP8StateMixin` implements it (its ``_fp8_*`` methods, listed under "friend
+interface" there); the runtime modules (staging, payload I/O, amax reduction) are typed
+against :class:`FP8Friend`, so they never import the mixin and never touch its private
+attributes. Users need none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from fp8state.recipe import DelayedScaling
+from fp8state.schema import DirectionState
+from fp8state.slots import DIRECTIONS, Direction
+
+__all__ = ["FP8Friend", "StepBookkeeping", "set_plain_attr"]
+
+
+def set_plain_attr(module: object, name: str, value: object) -> None:
+    """``module.name = value`` for a plain attribute, bypassing ``nn.Module.__setattr__``.
+
+    ``nn.Module.__setattr__`` looks ``name`` up among parameters, buffers and submodules first,
+    a cost paid per cast and per step on the hot path; the attributes set here are none of
+    those, so writing the instance dict is the same assignment.
+    """
+    module.__dict__[name] = value
+
+
+class FP8Friend(Protocol):
+    """An FP8 module as the runtime sees it (implemented by ``FP8StateMixin``)."""
+
+    _buffers: dict[str, torch.Tensor | None]
+    fp8_recipe: DelayedScaling
+    fp8_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+    @property
+    def fp8_num_gemms(self) -> int:
+        """GEMMs declared in ``init_fp8_meta``."""
+        ...
+
+    def fp8_meta(self, direction: Direction) -> DirectionState:
+        """The live buffers of ``direction``."""
+        ...
+
+    def fp8_update_scales(self, direction: Direction, recipe: DelayedScaling | None = None) -> None:
+        """Recompute ``direction``'s scales from its history (one module at a time)."""
+        ...
+
+    def _fp8_has_meta(self) -> bool:
+        """Whether ``init_fp8_meta`` ran (a subclass may not have called it yet)."""
+        ...
+
+    def _fp8_mutation_count(self) -> int:
+        """A counter that every change of the metadata through the module bumps."""
+        ...
+
+    def _fp8_touch(self) -> None:
+        """Count a change of the metadata made outside the module (a kernel's write)."""
+        ...
+
+    def _fp8_close_step(self, direction: Direction) -> None:
+        """Mark ``direction``'s scales updated: the next record opens a new step."""
+        ...
+
+    def _fp8_reset_steps(self) -> None:
+        """Forget open steps in both directions (after a load or a reset) and cached weights."""
+        ...
+
+
+class StepBookkeeping:
+    """The friend interface's step bookkeeping, mixed into ``FP8StateMixin``.
+
+    Two pieces of state, both set by ``init_fp8_meta``: ``_fp8_new_step`` (per direction,
+    whether the next amax record opens a new step: shifts the history down one row) and
+    ``_fp8_mutations`` (bumped by every change of the metadata through the module, so a staged
+    payload knows when it is stale). Plain attributes, written through :func:`set_plain_attr`.
+    """
+
+    _fp8_mutations: int
+    _fp8_new_step: dict[Direction, bool]
+    fp8_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+    def _fp8_mutation_count(self) -> int:
+        return self._fp8_mutations
+
+    def _fp8_touch(self) -> None:
+        set_plain_attr(self, "_fp8_mutations", self._fp8_mutations + 1)
+
+    def _fp8_close_step(self, direction: Direction) -> None:
+        self._fp8_new_step[direction] = True
+        self._fp8_touch()
+
+    def _fp8_continue_step(self, direction: Direction) -> None:
+        """The next record max-combines into row 0 instead of opening a new step."""
+        self._fp8_new_step[direction] = False
+
+    def _fp8_step_flags(self) -> dict[Direction, bool]:
+        """Per direction, whether the next record opens a new step (a copy)."""
+        return dict(self._fp8_new_step)
+
+    def _fp8_set_step_flags(self, flags: Mapping[Direction, bool]) -> None:
+        set_plain_attr(self, "_fp8_new_step", {d: bool(flags[d]) for d in DIRECTIONS})
+
+    def _fp8_reset_steps(self) -> None:
+        set_plain_attr(self, "_fp8_new_step", {d: True for d in DIRECTIONS})
+        self.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales

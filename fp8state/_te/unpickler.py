@@ -1,0 +1,339 @@
+"""The allow-list unpickler: reads TE checkpoints and pickled extra states without running code.
+
+A pickle is a program: each global it names is imported and may be called. This module resolves
+names only from :data:`ALLOWED` (torch's tensor rebuild functions, plain containers, scalars and
+stand-ins for TE's recipe classes); any other name raises
+:class:`~fp8state.errors.UnsafeCheckpointError` before anything is imported or called. ``BUILD``
+(which sets attributes on an object) is restricted to the few types that legitimately need it.
+
+The module is itself a valid ``pickle_module`` for ``torch.load`` (it has ``Unpickler`` and
+``load``), which is how outer checkpoint files are read: torch resolves its storage records and
+this unpickler everything else. Nested legacy storage blobs (``torch.storage._load_from_bytes``)
+are read with ``torch.load(weights_only=True)`` onto the CPU.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import collections
+import contextlib
+import contextvars
+import io
+import pickle
+import sys
+from collections.abc import Callable, Iterator
+from typing import IO, Any, BinaryIO
+
+import torch
+
+from fp8state._te import standins
+from fp8state.errors import FP8StateError, LegacyFormatError, UnsafeCheckpointError
+
+__all__ = [
+    "ALLOWED",
+    "Unpickler",
+    "load",
+    "loads",
+    "load_storage_blob",
+    "safe_torch_load",
+    "collecting_locations",
+]
+
+_UNSAFE_FIX = (
+    "Nothing was executed. fp8state decodes TE checkpoints without running pickled code; if you "
+    "trust this file, load it yourself (torch.load(..., weights_only=False)) and pass the state "
+    "dict to fp8state.migrate.convert_te_state_dict."
+)
+
+
+def _latin1_encode(obj: object, encoding: object = "utf-8") -> bytes:
+    """``_codecs.encode`` restricted to what protocol-2 pickles use it for: bytes as latin-1."""
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
+        raise LegacyFormatError(
+            "", f"_codecs.encode({type(obj).__name__}, {encoding!r})",
+            "_codecs.encode(str, 'latin1'), how protocol-2 pickles store bytes",
+            "The checkpoint is corrupt or was not written by torch.save/pickle.",
+        )
+    return obj.encode("latin-1")
+
+
+def _without_hooks(rebuild: Callable[..., Any], hooks_at: int | None) -> Callable[..., Any]:
+    """A torch rebuild function that refuses pickled backward hooks.
+
+    torch.save never writes hooks (torch's "Don't serialize hooks" note); hooks in a pickle
+    could only be callables planted to run at the next backward pass.
+    """
+    if hooks_at is None:
+        return rebuild
+
+    def checked(*args: Any) -> Any:
+        if len(args) > hooks_at and args[hooks_at]:
+            raise LegacyFormatError(
+                "", f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
+                "no hooks (torch.save never writes them)",
+                "The checkpoint was crafted; nothing was executed.",
+            )
+        return rebuild(*args)
+
+    checked.__qualname__ = checked.__name__ = rebuild.__name__
+    return checked
+
+
+def _torch_allowed() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size,
+        # Building a device object neither touches nor initialises the device.
+        ("torch", "device"): torch.device,
+        ("torch.storage", "_load_from_bytes"): load_storage_blob,
+    }
+    # Position of `backward_hooks` in each rebuild function's arguments.
+    for name, hooks_at in (
+        ("_rebuild_tensor", None), ("_rebuild_tensor_v2", 5), ("_rebuild_tensor_v3", 5),
+        ("_rebuild_parameter", 2), ("_rebuild_parameter_with_state", 2),
+    ):
+        allowed[("torch._utils", name)] = _without_hooks(getattr(torch._utils, name), hooks_at)
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    return allowed
+
+
+#: Every global a pickle may name, as ``(module, name) -> object``. Storage classes
+#: (``torch.FloatStorage`` ...) are resolved by ``torch.load`` itself, as dtype markers.
+ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    # TE v0.3-v0.4 FP8 activation recompute buffers (te_formats.md, E02).
+    ("collections", "deque"): collections.deque,
+    ("builtins", "set"): set,
+    ("builtins", "complex"): complex,
+    # TE v0.12-v1.13 put an io.BytesIO object into the state dict (E06, E07).
+    ("_io", "BytesIO"): io.BytesIO,
+    ("io", "BytesIO"): io.BytesIO,
+    ("_codecs", "encode"): _latin1_encode,
+    **{(standins.TE_RECIPE_MODULE, name): cls for name, cls in standins.STANDINS.items()},
+}
+
+
+def _setstate_checked(inst: object, state: object) -> None:
+    """``BUILD``: the only types whose state a TE checkpoint legitimately restores."""
+    if type(inst) is io.BytesIO:
+        # BytesIO.__reduce__ state: (bytes, position, __dict__ or None). The dict is empty once
+        # anything looked an attribute up (DCP does before it saves one); nothing else is set.
+        ok = (
+            isinstance(state, tuple) and len(state) == 3
+            and isinstance(state[0], (bytes, bytearray)) and isinstance(state[1], int)
+            and (state[2] is None or (type(state[2]) is dict and not state[2]))
+        )
+        if ok:
+            inst.__setstate__(state)  # type: ignore[attr-defined]
+            return
+    elif isinstance(inst, standins.TEObject):
+        inst.__setstate__(state)
+        return
+    elif type(inst) is collections.OrderedDict:
+        # state_dict() OrderedDicts carry a `_metadata` attribute (module versions).
+        if isinstance(state, dict) and all(
+            isinstance(k, str) and not k.startswith("__") for k in state
+        ):
+            inst.__dict__.update(state)
+            return
+    raise LegacyFormatError(
+        "", f"a pickle setting the state of a {type(inst).__name__} object",
+        "state only for io.BytesIO, OrderedDict and TE recipe objects",
+        "The checkpoint is corrupt or was crafted; nothing was executed.",
+    )
+
+
+# The pure-Python unpickler (typeshed only knows the C one, hence Any).
+_PyUnpickler: Any = pickle._Unpickler  # type: ignore[attr-defined]
+
+
+class Unpickler(_PyUnpickler):
+    """``pickle.Unpickler`` that resolves globals from :data:`ALLOWED` only.
+
+    The pure-Python unpickler is used on purpose: its opcode table can be edited, so ``BUILD``
+    goes through :func:`_setstate_checked`. Pickles in TE checkpoints are kilobytes, so speed
+    does not matter.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names a global outside the allow-list.
+    """
+
+    dispatch = dict(_PyUnpickler.dispatch)
+
+    def _load_build(self) -> None:
+        state = self.stack.pop()
+        _setstate_checked(self.stack[-1], state)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve ``module.name`` from the allow-list; never imports anything."""
+        # Python-2 names in protocol < 3 pickles (torch.save writes protocol 2), as pickle does.
+        if self.proto < 3 and self.fix_imports:
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        key = (str(module), str(name))
+        if key in ALLOWED:
+            return ALLOWED[key]
+        te = module == "transformer_engine" or str(module).startswith("transformer_engine.")
+        # Names come from the file: escape control characters so the message stays one line.
+        shown = _clip(ascii(f"{module}.{name}")[1:-1], 120)
+        raise UnsafeCheckpointError(
+            "", f"a pickled reference to {shown}"
+            + (" (a TransformerEngine class fp8state does not know)" if te else ""),
+            "only torch tensor/storage rebuild functions, plain containers and TE recipe classes",
+            _UNSAFE_FIX,
+        )
+
+
+def load(file: BinaryIO, **kwargs: Any) -> Any:
+    """``pickle.load`` through :class:`Unpickler` (the ``pickle_module`` protocol)."""
+    return Unpickler(file, **kwargs).load()
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _undecodable(what: str, err: BaseException, expected: str) -> LegacyFormatError:
+    return LegacyFormatError(
+        "", f"{what} that cannot be decoded ({type(err).__name__}: {_clip(str(err))})", expected,
+        "The file is truncated or corrupt; re-copy it, or use another checkpoint.",
+    )
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle ``data`` through the allow-list.
+
+    Raises:
+        UnsafeCheckpointError: a global outside the allow-list.
+        LegacyFormatError: anything else that goes wrong (truncated or random bytes).
+    """
+    try:
+        return Unpickler(io.BytesIO(data)).load()
+    except FP8StateError:
+        raise
+    except Exception as err:  # random bytes raise anything from KeyError to MemoryError
+        raise _undecodable(f"{len(data)} bytes of pickle data", err, "a pickle TE wrote") from None
+
+
+# Storage location tags ("cpu", "cuda:0") seen while reading, for `fp8state inspect`.
+_locations: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "fp8state_migrate_locations", default=None
+)
+
+
+@contextlib.contextmanager
+def collecting_locations() -> Iterator[set[str]]:
+    """Collect the location tags of every storage read inside the ``with`` block."""
+    seen: set[str] = set()
+    token = _locations.set(seen)
+    try:
+        yield seen
+    finally:
+        _locations.reset(token)
+
+
+def _keep_on_cpu(storage: Any, location: str) -> Any:
+    """``map_location`` callable: record the saved tag, keep the CPU storage torch just read.
+
+    Returning the storage as it is means a ``cuda:N`` tag never reaches torch's CUDA
+    deserializer: no CUDA context, no allocation, also on machines without a GPU.
+    """
+    seen = _locations.get()
+    if seen is not None:
+        seen.add(str(location))
+    return storage
+
+
+def _name_refused_global(blob: bytes) -> UnsafeCheckpointError | None:
+    """Which global made the weights-only reader refuse ``blob``, named exactly.
+
+    torch's message mangles names (protocol-2 pickles map ``subprocess`` to ``commands``), so the
+    blob is read once more through the allow-list, which refuses the same global before anything
+    runs and names it as pickled.
+    """
+    try:
+        safe_torch_load(io.BytesIO(blob))
+    except UnsafeCheckpointError as err:
+        return UnsafeCheckpointError(
+            err.key, f"{err.found} inside a nested storage blob", err.expected, err.fix
+        )
+    except FP8StateError:
+        return None
+    return None
+
+
+def load_storage_blob(blob: object) -> Any:
+    """Replacement of ``torch.storage._load_from_bytes``: a storage read weights-only onto CPU.
+
+    TE v0.6-v2.x pickles hold each tensor's storage as a nested legacy ``torch.save`` blob;
+    torch's own function would read it with ``weights_only=False`` onto the saved device.
+    """
+    if not isinstance(blob, (bytes, bytearray)):
+        raise LegacyFormatError(
+            "", f"a storage blob of type {type(blob).__name__}", "bytes of a torch.save storage",
+            "The checkpoint is corrupt or was crafted; nothing was executed.",
+        )
+    try:
+        storage = torch.load(io.BytesIO(blob), weights_only=True, map_location=_keep_on_cpu)
+    except Exception as err:
+        refused = _name_refused_global(bytes(blob)) if isinstance(
+            err, pickle.UnpicklingError) else None
+        if refused is not None:
+            raise refused from None
+        raise _undecodable("a nested storage blob", err, "a torch.save storage") from None
+    if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
+        raise LegacyFormatError(
+            "", f"a nested blob holding a {type(storage).__name__}", "a tensor storage",
+            "The checkpoint is corrupt or was crafted.",
+        )
+    return storage
+
+
+def safe_torch_load(
+    file: str | IO[bytes], on_storage: Callable[[Any, str], None] | None = None
+) -> Any:
+    """``torch.load`` onto the CPU with this module as ``pickle_module``.
+
+    Args:
+        file: A path or a binary file object (a torch.save archive, zip or legacy).
+        on_storage: Called with each storage torch reads and its saved location tag.
+
+    Raises:
+        UnsafeCheckpointError: a global outside the allow-list.
+        LegacyFormatError: the data cannot be read (truncated, corrupt, not a torch.save file).
+        FileNotFoundError, PermissionError, IsADirectoryError: as ``open`` raises them.
+    """
+
+    def restore(storage: Any, location: str) -> Any:
+        if on_storage is not None:
+            on_storage(storage, location)
+        return _keep_on_cpu(storage, location)
+
+    try:
+        # weights_only=False is required with a pickle_module; the allow-list above is what
+        # keeps this load safe, and mmap=False keeps the result independent of the file.
+        return torch.load(
+            file, map_location=restore, pickle_module=sys.modules[__name__],
+            weights_only=False, mmap=False,
+        )
+    except (FP8StateError, FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as err:
+        if "explicit pickle_module" in str(err):
+            raise UnsafeCheckpointError(
+                "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "the variable set",
+                "it unset while fp8state reads a TE checkpoint",
+                "Unset it for this command: fp8state reads TE pickles through its own allow-list, "
+                "which is at least as strict as weights_only.",
+            ) from None
+        raise _undecodable("a checkpoint", err, "a torch.save archive") from None
+
+
+ALLOWED.update(_torch_allowed())

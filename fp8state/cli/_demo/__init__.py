@@ -1,0 +1,1 @@
+"""What ``fp8state demo`` runs (:mod:`.training`) and draws (:mod:`.plot`); private to the CLI."""

@@ -1,0 +1,199 @@
+"""One GEMM of an FP8 module: ``y = x @ W.T + b`` with delayed-scaled FP8 operands.
+
+Forward casts the input and the weight to the recipe's forward dtype (E4M3) with their slots'
+current scales, recording their amaxes; backward casts the incoming gradient to the backward
+dtype (E5M2 under HYBRID). FP8 GEMMs take the second operand column-major, so each cast also
+writes the transposed copy its operand needs in backward, in the same pass
+(:func:`fp8state._runtime.slot_cast.cast_and_record`); only those FP8 transposes are saved for
+backward.
+
+Weights can be cast once per optimizer step and reused across micro-batches
+(``is_first_microbatch``, as in TE), and GEMMs too small for FP8 to pay run in high precision
+(``FP8StateMixin.fp8_min_gemm_macs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from fp8state import autocast
+from fp8state._runtime.friend import set_plain_attr
+from fp8state._runtime.slot_cast import cast_slot
+from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
+from fp8state.mixin import FP8StateMixin
+from fp8state.quantize import finite_amax
+from fp8state.slots import BwdSlot, Direction, FwdSlot, bwd_slot, fwd_slot
+
+__all__ = ["linear", "fp8_backend", "as_2d", "like_input"]
+
+
+def linear(
+    module: FP8StateMixin,
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemm: int,
+    is_first_microbatch: bool | None = None,
+) -> torch.Tensor:
+    """``F.linear(inp, weight, bias)``, in FP8 inside ``fp8_autocast(enabled=True)``.
+
+    Args:
+        module: The FP8 module owning the metadata.
+        inp: ``(..., in_features)``.
+        weight: ``(out_features, in_features)``.
+        bias: ``(out_features,)`` or None.
+        gemm: Index of this GEMM in the module (selects its slots).
+        is_first_microbatch: None casts the weight every call. True casts it, records its
+            amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
+            optimizer step, where the weight has not changed).
+    """
+    ctx = autocast.active_context()
+    if ctx is None:
+        return F.linear(inp, weight, bias)
+    if not ctx.enabled:  # calibrating: record, compute in high precision
+        autocast.register_forward(module, ctx)
+        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
+        module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
+        return F.linear(inp, weight, bias)
+    backend = fp8_backend(module, ctx, inp, inp.numel() * weight.shape[0])  # tokens*in*out
+    if backend is None:
+        set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
+        return F.linear(inp, weight, bias)
+    autocast.register_forward(module, ctx)
+    out = _FP8Linear.apply(as_2d(inp), weight, bias, module, gemm, ctx, backend,
+                           is_first_microbatch)
+    return like_input(out, inp)
+
+
+def fp8_backend(module: FP8StateMixin, ctx: autocast.FP8Context, inp: torch.Tensor,
+                macs: int) -> str | None:
+    """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
+    backend = resolve_backend(ctx.gemm_backend, inp.device)
+    return None if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs) else backend
+
+
+def as_2d(inp: torch.Tensor) -> torch.Tensor:
+    """``(..., k)`` as ``(tokens, k)``, a view where the layout allows (never a copy of 2-D).
+
+    A 2-D input is returned as it is: even a no-op view costs host time on the hot path.
+    """
+    return inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+
+
+def like_input(out_2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """A ``(tokens, n)`` result shaped ``(..., n)`` like ``inp``'s leading dimensions."""
+    return out_2d if inp.dim() == 2 else out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
+
+
+def _cast_slot(
+    module: FP8StateMixin,
+    direction: Direction,
+    slot: int,
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    column_sums: bool = False,
+    op: str = "identity",
+    aux: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale.
+
+    ``column_sums`` also returns the column sums from the same pass (a bias gradient);
+    ``op``/``aux`` cast a function of ``x`` instead (:func:`fp8state._runtime.slot_cast.cast_slot`).
+    """
+    hist, scale, scale_inv = module.fp8_meta(direction)
+    new_step = module.fp8_open_record(direction)
+    # The inverse scale comes back as a copy: the live one changes when the step ends,
+    # before backward runs.
+    return cast_slot(x.contiguous(), scale, scale_inv, hist, slot, fp8_dtype,
+                     transpose=transpose, new_step=new_step, column_sums=column_sums, op=op,
+                     aux=aux)
+
+
+def _cast_weight(
+    module: FP8StateMixin,
+    weight: torch.Tensor,
+    gemm: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    is_first_microbatch: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """FP8 weight, its transpose (if asked) and inverse scale, from the cache when allowed."""
+    cached = module.fp8_weight_cache.get(gemm)
+    if is_first_microbatch is False and cached is not None:
+        if not transpose or cached[1] is not None:
+            return cached[0], cached[1], cached[2]
+    weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
+        module, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT), weight.detach(), fp8_dtype, transpose
+    )
+    if is_first_microbatch is not None:
+        module.fp8_weight_cache[gemm] = (weight_fp8, weight_fp8_t, scale_inv)
+    return weight_fp8, weight_fp8_t, scale_inv
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inp_2d: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        module: FP8StateMixin,
+        gemm: int,
+        fp8_ctx: autocast.FP8Context,
+        backend: str,
+        is_first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        inp_fp8, inp_fp8_t, inp_scale_inv, _ = _cast_slot(
+            module, "fwd", fwd_slot(gemm, FwdSlot.INPUT), inp_2d, fp8_dtype, need_wgrad
+        )
+        weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
+            module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch
+        )
+        out, used = fp8_gemm(
+            inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend,
+            bias=bias, fast_accum=True,  # forward only, as TE (see fp8_gemm)
+        )
+        set_plain_attr(module, "fp8_last_gemm_backend", used)
+        # Only what backward multiplies with, in the layout it needs: FP8, not the input.
+        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv)
+        ctx.module, ctx.gemm, ctx.fp8_ctx, ctx.backend = module, gemm, fp8_ctx, backend
+        ctx.inp_dtype, ctx.weight_dtype = inp_2d.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    @once_differentiable  # FP8 casts have no useful derivative: a clear error for 2nd order
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv = ctx.saved_tensors
+        module: FP8StateMixin = ctx.module
+        fp8_ctx: autocast.FP8Context = ctx.fp8_ctx
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        autocast.register_backward(module, fp8_ctx)
+        need_bias = ctx.bias_dtype is not None and need_bgrad
+        grad_fp8, grad_fp8_t, grad_scale_inv, grad_sums = _cast_slot(
+            module, "bwd", bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT), grad_out,
+            fp8_ctx.recipe.fp8_format.dtype("bwd"), need_wgrad, column_sums=need_bias,
+        )
+        grad_inp = grad_weight = grad_bias = None
+        if need_dgrad:  # (M, N) @ (N, K); weight_fp8_t.t() is (N, K) column-major
+            grad_inp, _ = fp8_gemm(
+                grad_fp8, grad_scale_inv, weight_fp8_t.t(), weight_scale_inv, ctx.inp_dtype,
+                ctx.backend,
+            )
+        if need_wgrad:  # (N, M) @ (M, K); inp_fp8_t.t() is (M, K) column-major
+            assert grad_fp8_t is not None  # cast with transpose=need_wgrad
+            grad_weight, _ = fp8_gemm(
+                grad_fp8_t, grad_scale_inv, inp_fp8_t.t(), inp_scale_inv, ctx.weight_dtype,
+                ctx.backend,
+            )
+        if need_bias:
+            assert grad_sums is not None  # cast with column_sums=need_bias
+            grad_bias = grad_sums.to(ctx.bias_dtype)
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None

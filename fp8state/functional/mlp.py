@@ -1,0 +1,200 @@
+"""LayerNormMLP's ``fc2(gelu(fc1(x)))`` as one FP8 autograd function, GELU fused into the casts.
+
+Run as three autograd nodes (fc1, GELU, fc2), the block writes and reads GELU's output in high
+precision in forward, and GELU's input gradient in backward, only to cast each to FP8 right
+after. Here the cast kernel computes GELU (forward) and ``grad * gelu'(h)`` (backward) in the
+same pass that quantizes, records the amax and sums the bias gradient: two passes
+over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
+allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
+output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used.
+Neither GELU cast writes a transposed copy: the FP8 transposes come from a one-byte transpose
+afterwards, faster for GELU's output, and for its gradient made only after ``h`` is dropped,
+which keeps the peak below bf16's (docs/benchmarks.md).
+
+Slots and amaxes are those of the per-GEMM path (fc1 = GEMM 0, fc2 = GEMM 1). The one
+difference in numbers: GELU's output is quantized from float32 instead of from its rounding to
+the input's dtype (identical for float32 inputs on the emulated path, tests/test_fused_mlp.py;
+the CUDA kernel's GELU is within about 1e-6 relative of torch's, tests/gpu/test_cast_slot.py).
+Intermediates are released as backward uses them, so one backward runs per forward (a second
+one through the same graph is a clear error), as in TE.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from fp8state import autocast
+from fp8state._runtime.friend import set_plain_attr
+from fp8state._runtime.slot_cast import transpose_fp8
+from fp8state.backends import fp8_gemm
+from fp8state.errors import ConfigError
+from fp8state.functional.linear import (
+    _cast_slot,
+    _cast_weight,
+    as_2d,
+    fp8_backend,
+    like_input,
+)
+from fp8state.mixin import FP8StateMixin
+from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
+
+__all__ = ["gelu_mlp"]
+
+
+def gelu_mlp(
+    module: FP8StateMixin,
+    inp: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    is_first_microbatch: bool | None,
+) -> torch.Tensor | None:
+    """``fc2(gelu_tanh(fc1(inp)))`` fused in FP8, or None where the fused path does not apply.
+
+    None (the caller then runs the GEMMs one by one) outside ``fp8_autocast(enabled=True)``,
+    while calibrating, and where either GEMM is below the module's FP8 threshold
+    (``fp8_min_gemm_macs``), so that fallback stays per GEMM and inspectable.
+    """
+    ctx = autocast.active_context()
+    if ctx is None or not ctx.enabled:
+        return None
+    tokens = inp.numel() // inp.shape[-1]
+    smallest = tokens * min(fc1_weight.shape[0] * fc1_weight.shape[1],
+                            fc2_weight.shape[0] * fc2_weight.shape[1])
+    backend = fp8_backend(module, ctx, inp, smallest)
+    if backend is None:
+        return None
+    autocast.register_forward(module, ctx)
+    out = _FP8GeluMLP.apply(as_2d(inp), fc1_weight, fc1_bias, fc2_weight, fc2_bias, module,
+                            ctx, backend, is_first_microbatch)
+    return like_input(out, inp)
+
+
+class _FP8GeluMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inp: torch.Tensor,
+        fc1_weight: torch.Tensor,
+        fc1_bias: torch.Tensor | None,
+        fc2_weight: torch.Tensor,
+        fc2_bias: torch.Tensor | None,
+        module: FP8StateMixin,
+        fp8_ctx: autocast.FP8Context,
+        backend: str,
+        is_first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
+        needs = ctx.needs_input_grad
+        need_w1, need_w2 = needs[1], needs[3]
+        # GELU's input gradient is needed for everything upstream of fc2's output.
+        need_chain = needs[0] or needs[1] or needs[2]
+        x_fp8, x_fp8_t, x_inv, _ = _cast_slot(
+            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1)
+        w1_fp8, w1_fp8_t, w1_inv = _cast_weight(module, fc1_weight, 0, dtype, needs[0],
+                                                is_first_microbatch)
+        h, _ = fp8_gemm(x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias,
+                        fast_accum=True)
+        del x_fp8
+        # No transposed copy from this cast either: with GELU's arithmetic in the same pass,
+        # transposed stores slow it down more than a one-byte transpose afterwards costs
+        # (docs/benchmarks.md).
+        a_fp8, _, a_inv, _ = _cast_slot(
+            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu")
+        a_fp8_t = transpose_fp8(a_fp8) if need_w2 else None
+        w2_fp8, w2_fp8_t, w2_inv = _cast_weight(module, fc2_weight, 1, dtype, need_chain,
+                                                is_first_microbatch)
+        out, used = fp8_gemm(a_fp8, a_inv, w2_fp8.t(), w2_inv, inp.dtype, backend,
+                             bias=fc2_bias, fast_accum=True)
+        set_plain_attr(module, "fp8_last_gemm_backend", used)
+        tensors = [x_fp8_t, w1_fp8_t, h if need_chain else None, a_fp8_t, w2_fp8_t,
+                   x_inv, w1_inv, a_inv, w2_inv]
+        ctx.from_hooks = _saved_tensors_hooks_active()
+        if ctx.from_hooks:
+            # Offloading or recomputation hooks (save_on_cpu, checkpointing) must see them.
+            ctx.save_for_backward(*tensors)
+            ctx.tensors = None
+        else:
+            # Kept on ctx: they are this function's own intermediates (no version checks
+            # needed), and backward drops each the moment it is used, as the per-GEMM path's
+            # separate autograd nodes free theirs; saved tensors would stay alive until
+            # backward returns (h alone is tokens x ffn in high precision).
+            ctx.tensors = tensors
+        ctx.module, ctx.fp8_ctx, ctx.backend, ctx.need_chain = module, fp8_ctx, backend, need_chain
+        ctx.dtypes = (inp.dtype, fc1_weight.dtype, fc2_weight.dtype,
+                      None if fc1_bias is None else fc1_bias.dtype,
+                      None if fc2_bias is None else fc2_bias.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable  # FP8 casts have no useful derivative: a clear error for 2nd order
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.from_hooks:
+            ctx.tensors = list(ctx.saved_tensors)
+        if ctx.tensors is None:
+            raise ConfigError(
+                f"{type(ctx.module).__name__} (fused GELU path)", "a second backward pass "
+                "through the same graph (retain_graph=True)", "one backward per forward",
+                "Set module.fp8_fuse_activation = False for graphs you backpropagate through "
+                "more than once.",
+            )
+        x_fp8_t, w1_fp8_t, h, a_fp8_t, w2_fp8_t, x_inv, w1_inv, a_inv, w2_inv = ctx.tensors
+        ctx.tensors = None  # from here on, the locals below are the only references
+        module, fp8_ctx, backend = ctx.module, ctx.fp8_ctx, ctx.backend
+        inp_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad
+        bwd_dtype = fp8_ctx.recipe.fp8_format.dtype("bwd")
+        autocast.register_backward(module, fp8_ctx)
+        need_b2 = b2_dtype is not None and needs[4]
+        g_fp8, g_fp8_t, g_inv, g_sums = _cast_slot(
+            module, "bwd", bwd_slot(1, BwdSlot.GRAD_OUTPUT), grad_out, bwd_dtype, needs[3],
+            column_sums=need_b2)
+        grads: list[torch.Tensor | None] = [None] * 9
+        if needs[3]:  # fc2 weight: (hidden, M) @ (M, ffn)
+            assert g_fp8_t is not None  # cast with transpose=needs[3]
+            grads[3], _ = fp8_gemm(g_fp8_t, g_inv, a_fp8_t.t(), a_inv, w2_dtype, backend)
+        del a_fp8_t, g_fp8_t
+        if need_b2:
+            assert g_sums is not None  # cast with column_sums=need_b2
+            grads[4] = g_sums.to(b2_dtype)
+        if not ctx.need_chain:
+            return tuple(grads)
+        d_act, _ = fp8_gemm(g_fp8, g_inv, w2_fp8_t.t(), w2_inv, inp_dtype, backend)
+        del g_fp8, w2_fp8_t
+        need_b1 = b1_dtype is not None and needs[2]
+        # No transposed copy from this cast: its two FP8 outputs (tokens x ffn each) beside h
+        # and fc2's input gradient would set the block's peak memory. The transpose is made
+        # from the FP8 copy once those two are freed (one more pass over one byte per element).
+        dh_fp8, _, dh_inv, dh_sums = _cast_slot(
+            module, "bwd", bwd_slot(0, BwdSlot.GRAD_OUTPUT), d_act, bwd_dtype, False,
+            column_sums=need_b1, op="dgelu", aux=h)
+        del d_act, h
+        if needs[0]:  # input: (M, ffn) @ (ffn, hidden)
+            grads[0], _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)
+        if needs[1]:  # fc1 weight: (ffn, M) @ (M, hidden)
+            dh_fp8_t = transpose_fp8(dh_fp8)
+            del dh_fp8
+            grads[1], _ = fp8_gemm(dh_fp8_t, dh_inv, x_fp8_t.t(), x_inv, w1_dtype, backend)
+        if need_b1:
+            assert dh_sums is not None  # cast with column_sums=need_b1
+            grads[2] = dh_sums.to(b1_dtype)
+        return tuple(grads)
+
+
+def _saved_tensors_hooks_active() -> bool:
+    """Whether a ``torch.autograd.graph.saved_tensors_hooks`` context is active.
+
+    Asked through a private torch function; where it is missing, assume hooks are active
+    (save_for_backward is always correct, just holds memory longer).
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except TypeError:  # an older signature without the tracing flag
+        return top() is not None

@@ -1,0 +1,86 @@
+"""What :func:`fp8state.recalibrate` saves and puts back: FP8 metadata and other buffers.
+
+A calibration that fails, or a module that never ran, leaves the model as it was: its FP8
+metadata (through the mixin's own apply, so staging and the kernels' tables stay exact) and
+the buffers a training-mode forward may have changed (BatchNorm statistics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fp8state._runtime.buffers import ALL_BUFFER_NAMES
+from fp8state.mixin import FP8StateMixin
+from fp8state.schema import DirectionState, FP8State
+from fp8state.slots import Direction
+
+__all__ = ["Saved", "save", "restore", "reset", "with_fwd", "SavedBuffer",
+           "buffers_to_restore", "put_back_buffers"]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One module's FP8 metadata (copies), its recipe and whether its steps were open."""
+
+    state: FP8State
+    new_step: dict[Direction, bool]
+
+
+def save(module: FP8StateMixin) -> Saved:
+    live = module.fp8_state()
+    copies = [DirectionState(*(t.clone() for t in s)) for s in (live.fwd, live.bwd)]
+    return Saved(FP8State(copies[0], copies[1], live.recipe), module._fp8_step_flags())
+
+
+def restore(module: FP8StateMixin, saved: Saved) -> None:
+    # Through the mixin's own apply: it bumps the counters that staging and the kernels'
+    # pointer tables rely on, and drops FP8 weights cast with other scales.
+    module._fp8_apply(saved.state)
+    module._fp8_set_step_flags(saved.new_step)
+
+
+def _fresh(d: DirectionState) -> DirectionState:
+    return DirectionState(torch.zeros_like(d.amax_history), torch.ones_like(d.scale),
+                          torch.ones_like(d.scale_inv))
+
+
+def reset(module: FP8StateMixin, directions: tuple[Direction, ...]) -> None:
+    """Histories zero and scales 1 in ``directions``, as a freshly built module has."""
+    live = module.fp8_state()
+    fwd = _fresh(live.fwd) if "fwd" in directions else live.fwd
+    bwd = _fresh(live.bwd) if "bwd" in directions else live.bwd
+    module._fp8_apply(FP8State(fwd, bwd, live.recipe))
+
+
+def with_fwd(module: FP8StateMixin, fwd: DirectionState) -> None:
+    """Put back forward metadata saved earlier, keeping the live backward metadata."""
+    live = module.fp8_state()
+    module._fp8_apply(FP8State(fwd, live.bwd, live.recipe))
+
+
+SavedBuffer = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
+
+
+def buffers_to_restore(model: nn.Module) -> list[SavedBuffer]:
+    """Copies of the non-FP8 buffers a training-mode forward may change (BatchNorm stats)."""
+    saved = []
+    for module in model.modules():
+        if not module.training:
+            continue  # an eval-mode forward updates no statistics
+        fp8 = ALL_BUFFER_NAMES if isinstance(module, FP8StateMixin) else ()
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in fp8:
+                saved.append((module, name, buf, buf.detach().clone()))
+    return saved
+
+
+@torch.no_grad()
+def put_back_buffers(saved: list[SavedBuffer]) -> None:
+    # Unconditionally: batch_norm updates running statistics inside its kernel, without
+    # bumping the tensors' version counters, so there is no cheap way to tell what changed.
+    for module, name, buf, copy in saved:
+        buf.copy_(copy)
+        module._buffers[name] = buf
