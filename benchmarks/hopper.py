@@ -28,8 +28,12 @@ from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 from fp8state._runtime.slot_cast import cast_and_record
 from fp8state.schema import PAYLOAD_KEYS
 
-LINEAR_SHAPES = [(16384, 4096, 4096), (16384, 4096, 16384), (16384, 16384, 4096),
-                 (8192, 8192, 8192)]
+LINEAR_SHAPES = [
+    (16384, 4096, 4096),
+    (16384, 4096, 16384),
+    (16384, 16384, 4096),
+    (8192, 8192, 8192),
+]
 SMALL_SHAPE = (2048, 1024, 1024)
 MLP = (16384, 4096, 16384)  # tokens, hidden, ffn
 QUANT_SHAPE = (16384, 4096)
@@ -56,8 +60,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
     return statistics.median(_once_ms(fn, device) for _ in range(iters))
 
 
-def time_pair_ms(a: Callable[[], object], b: Callable[[], object], device: torch.device,
-                 warmup: int, iters: int) -> tuple[float, float]:
+def time_pair_ms(
+    a: Callable[[], object], b: Callable[[], object], device: torch.device, warmup: int, iters: int
+) -> tuple[float, float]:
     """Median times of ``a`` and ``b``, measured alternately so both see the same clocks."""
     for _ in range(warmup):
         a()
@@ -69,8 +74,14 @@ def time_pair_ms(a: Callable[[], object], b: Callable[[], object], device: torch
     return statistics.median(times_a), statistics.median(times_b)
 
 
-def steady_pair_ms(a: Callable[[], object], b: Callable[[], object], device: torch.device,
-                   warmup: int, blocks: int, steps: int = 10) -> tuple[float, float]:
+def steady_pair_ms(
+    a: Callable[[], object],
+    b: Callable[[], object],
+    device: torch.device,
+    warmup: int,
+    blocks: int,
+    steps: int = 10,
+) -> tuple[float, float]:
     """Per-call times of ``a`` and ``b`` run back to back, as a training loop runs its steps.
 
     Blocks of ``steps`` calls, alternately of ``a`` and of ``b``, each timed from its first
@@ -109,8 +120,7 @@ def _events_ms(fn: Callable[[], object], calls: int, sleep_cycles: int = 0) -> f
     return start.elapsed_time(end) / calls
 
 
-def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int
-              ) -> float:
+def kernel_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
     """Device time per call of ``fn``, launched back to back (CUDA events), for one kernel.
 
     Per-call synchronization would add the launch latency to a 50 us kernel; the bound it is
@@ -138,8 +148,9 @@ def spin_up(device: torch.device, seconds: float) -> None:
         _sync(device)
 
 
-def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
-             ) -> Callable[[], None]:
+def fwd_bwd(
+    module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
+) -> Callable[[], None]:
     def step() -> None:
         with fp8state.fp8_autocast(enabled=fp8):
             y = module(x)
@@ -147,19 +158,27 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool
         x.grad = None
         for p in module.parameters():
             p.grad = None
+
     return step
 
 
-def _ratio(bf16: nn.Module, fp8: nn.Module, tokens: int, k: int, n: int, device, args
-           ) -> dict[str, float | None]:
+def _ratio(
+    bf16: nn.Module, fp8: nn.Module, tokens: int, k: int, n: int, device, args
+) -> dict[str, float | None]:
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
     steps = fwd_bwd(bf16, x, grad, False), fwd_bwd(fp8, x, grad, True)
     t_bf16, t_fp8 = steady_pair_ms(*steps, device, args.warmup, args.iters)
     # Also with a synchronization around every step (the previous records' measure).
     s_bf16, s_fp8 = time_pair_ms(*steps, device, args.warmup, args.iters)
-    return {"bf16_ms": t_bf16, "fp8_ms": t_fp8, "ratio": t_bf16 / t_fp8,
-            "synced_bf16_ms": s_bf16, "synced_fp8_ms": s_fp8, "synced_ratio": s_bf16 / s_fp8}
+    return {
+        "bf16_ms": t_bf16,
+        "fp8_ms": t_fp8,
+        "ratio": t_bf16 / t_fp8,
+        "synced_bf16_ms": s_bf16,
+        "synced_fp8_ms": s_fp8,
+        "synced_ratio": s_bf16 / s_fp8,
+    }
 
 
 def bench_linear(shape, device, args) -> dict[str, float]:
@@ -186,7 +205,9 @@ def bench_mlp(device, args) -> dict[str, float | None]:
     """LayerNormMLP against nn.LayerNorm + 2 nn.Linear + GELU(tanh), time and peak memory."""
     tokens, hidden, ffn = args.mlp
     bf16 = nn.Sequential(
-        nn.LayerNorm(hidden), nn.Linear(hidden, ffn), nn.GELU(approximate="tanh"),
+        nn.LayerNorm(hidden),
+        nn.Linear(hidden, ffn),
+        nn.GELU(approximate="tanh"),
         nn.Linear(ffn, hidden),
     ).to(device=device, dtype=torch.bfloat16)
     fp8 = fp8state.LayerNormMLP(hidden, ffn, params_dtype=torch.bfloat16, device=device)
@@ -241,11 +262,16 @@ def bench_metadata(device, args) -> dict[str, float]:
     floors = {}
     for name, cls in (("plain_linear", nn.Linear), ("extra_state_linear", _ExtraStateLinear)):
         plain = nn.ModuleList(cls(16, 16, device=device) for _ in range(args.modules))
-        (floors[f"{name}_state_dict_ms"],
-         floors[f"{name}_load_state_dict_ms"]) = _state_dict_round_ms(plain, device)
+        (floors[f"{name}_state_dict_ms"], floors[f"{name}_load_state_dict_ms"]) = (
+            _state_dict_round_ms(plain, device)
+        )
     floors["schema_floor_state_dict_ms"] = _schema_floor_ms(args.modules, device)
-    return {"state_dict_ms": sd_ms, "load_state_dict_ms": load_ms, "scale_update_ms": update_ms,
-            **floors}
+    return {
+        "state_dict_ms": sd_ms,
+        "load_state_dict_ms": load_ms,
+        "scale_update_ms": update_ms,
+        **floors,
+    }
 
 
 def _state_dict_round_ms(model: nn.Module, device: torch.device) -> tuple[float, float]:
@@ -316,8 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
     spin_up(device, 0.0 if args.quick else 2.0)
     linear = {"x".join(map(str, s)): bench_linear(s, device, args) for s in shapes}
     # A 0.2 ms step moves with the host's noise: ten times the samples for its median.
-    small_res = bench_linear(small, device, argparse.Namespace(
-        **{**vars(args), "iters": args.iters * 10}))
+    small_res = bench_linear(
+        small, device, argparse.Namespace(**{**vars(args), "iters": args.iters * 10})
+    )
     mlp = bench_mlp(device, args)
     quant = bench_quantize(device, args)
     meta = bench_metadata(device, args)
@@ -325,14 +352,21 @@ def main(argv: list[str] | None = None) -> dict:
         "linear_speedup": {k: round(v["ratio"], 3) for k, v in linear.items()},
         "small_linear_speedup": round(small_res["ratio"], 3),
         "layernorm_mlp_speedup": round(mlp["ratio"], 3),
-        "layernorm_mlp_peak_mem_ratio": (round(mlp["peak_mem_ratio"], 3)
-                                         if mlp["peak_mem_ratio"] is not None else None),
+        "layernorm_mlp_peak_mem_ratio": (
+            round(mlp["peak_mem_ratio"], 3) if mlp["peak_mem_ratio"] is not None else None
+        ),
         "quantize_bound_ratio": round(quant["ratio"], 3),
         "state_dict_1000_ms": round(meta["state_dict_ms"], 2),
         "load_state_dict_1000_ms": round(meta["load_state_dict_ms"], 2),
         "scale_update_ms": round(meta["scale_update_ms"], 3),
-        "details": {"linear": linear, "small_linear": small_res, "layernorm_mlp": mlp,
-                    "quantize": quant, "metadata": meta, "modules": args.modules},
+        "details": {
+            "linear": linear,
+            "small_linear": small_res,
+            "layernorm_mlp": mlp,
+            "quantize": quant,
+            "metadata": meta,
+            "modules": args.modules,
+        },
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
         # The output path is left out: it differs between the machine and the repository.

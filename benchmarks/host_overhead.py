@@ -99,23 +99,24 @@ def pieces() -> None:
     rows = {
         "torch.add (reference op)": lambda: x.add(1),
         "clone 1 elem": lambda: scale.clone(),
-        "cast_and_record": lambda: cast_and_record(x, scale, cell, torch.float8_e4m3fn,
-                                                   transpose=False),
-        "cast_and_record transpose": lambda: cast_and_record(x, scale, cell,
-                                                             torch.float8_e4m3fn,
-                                                             transpose=True),
-        "update_scales_": lambda: update_scales_(hist, sc, inv, window=1024, algo="max",
-                                                 fp8_max=448.0, margin=0),
+        "cast_and_record": lambda: cast_and_record(
+            x, scale, cell, torch.float8_e4m3fn, transpose=False
+        ),
+        "cast_and_record transpose": lambda: cast_and_record(
+            x, scale, cell, torch.float8_e4m3fn, transpose=True
+        ),
+        "update_scales_": lambda: update_scales_(
+            hist, sc, inv, window=1024, algo="max", fp8_max=448.0, margin=0
+        ),
         "shift history": lambda: hist.copy_(shift_history(hist)),
-        "_scaled_mm": lambda: torch._scaled_mm(a8, a8.t(), scale, scale,
-                                               out_dtype=torch.bfloat16),
+        "_scaled_mm": lambda: torch._scaled_mm(a8, a8.t(), scale, scale, out_dtype=torch.bfloat16),
         "fp8_autocast empty": autocast_empty,
         "Linear fwd under autocast (grad)": fwd_only,
     }
     from fp8state._kernels import triton_update as tu
+
     args = (hist, sc, inv, 3, 1024, 448.0, 0)
-    consts = {"MOST_RECENT": False, "BLOCK": 16, "ROWS": 256, "f32_tiny": 1e-38,
-              "f32_max": 3e38}
+    consts = {"MOST_RECENT": False, "BLOCK": 16, "ROWS": 256, "f32_tiny": 1e-38, "f32_max": 3e38}
     compiled = tu._update_kernel[(1,)](*args, **consts)
     rows["jit launch (no device ctx)"] = lambda: tu._update_kernel[(1,)](*args, **consts)
     all_args = (*args, False, 16, 256, 1e-38, 3e38)
@@ -123,14 +124,15 @@ def pieces() -> None:
     rows["compiled[grid](all args)"] = lambda: runner(*all_args)
     stream = torch.cuda.current_stream().cuda_stream
     rows["compiled.run direct"] = lambda: compiled.run(
-        1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *all_args)
+        1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *all_args
+    )
     rows["torch.empty(1)"] = lambda: torch.empty(1, device="cuda")
     dev = torch.device("cuda", 0)
 
     def device_ctx() -> None:
         with torch.cuda.device(dev):
             pass
+
     rows["with torch.cuda.device"] = device_ctx
     for name, fn in rows.items():
         try:
@@ -146,6 +148,7 @@ def _timed(table: dict[str, float], name: str, fn):
             return fn(*args, **kwargs)
         finally:
             table[name] = table.get(name, 0.0) + time.perf_counter() - start
+
     return wrapper
 
 
@@ -161,11 +164,19 @@ def breakdown(step, iters: int = 300) -> None:
 
     table: dict[str, float] = {}
     patches = [
-        (fl, "_cast_slot"), (fl, "fp8_gemm"), (fl, "_cast_weight"), (fl, "cast_slot"),
-        (autocast_mod, "reduce_and_update"), (autocast_mod, "register_backward"),
-        (autocast_mod, "register_forward"), (fl, "resolve_backend"),
-        (cast_launch, "_LAUNCHER"), (triton_update, "_UPDATE"), (cast_launch, "_launch"),
-        (amax_reduction, "_update_batched"), (cast_mod, "fused_kernel_available"),
+        (fl, "_cast_slot"),
+        (fl, "fp8_gemm"),
+        (fl, "_cast_weight"),
+        (fl, "cast_slot"),
+        (autocast_mod, "reduce_and_update"),
+        (autocast_mod, "register_backward"),
+        (autocast_mod, "register_forward"),
+        (fl, "resolve_backend"),
+        (cast_launch, "_LAUNCHER"),
+        (triton_update, "_UPDATE"),
+        (cast_launch, "_launch"),
+        (amax_reduction, "_update_batched"),
+        (cast_mod, "fused_kernel_available"),
     ]
     saved = []
     for mod, name in patches:
@@ -249,11 +260,16 @@ def main() -> None:
             torch.cuda.synchronize()
         gpu_ms = sum(e.device_time_total for e in p.key_averages()) / 5 / 1e3
         walls.sort()
-        print(f"{'fp8' if fp8 else 'bf16'} {args.shape}: wall {walls[10]:.3f} ms/step "
-              f"(synchronized), GPU kernels {gpu_ms:.3f} ms/step")
+        print(
+            f"{'fp8' if fp8 else 'bf16'} {args.shape}: wall {walls[10]:.3f} ms/step "
+            f"(synchronized), GPU kernels {gpu_ms:.3f} ms/step"
+        )
         if fp8:
-            print(p.key_averages().table(sort_by="cuda_time_total", row_limit=15,
-                                         max_name_column_width=50))
+            print(
+                p.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=15, max_name_column_width=50
+                )
+            )
 
 
 if __name__ == "__main__":

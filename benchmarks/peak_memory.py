@@ -20,8 +20,12 @@ import fp8state
 
 def _where(event: dict[str, Any]) -> str:
     frames = [f for f in event.get("frames", []) if "fp8state" in f["filename"]]
-    return " <- ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
-                       for f in frames[:3]) or "(outside fp8state)"
+    return (
+        " <- ".join(
+            f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in frames[:3]
+        )
+        or "(outside fp8state)"
+    )
 
 
 def peak_blocks(events: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
@@ -58,7 +62,7 @@ def main() -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, blocks = peak_blocks(snapshot["device_traces"][torch.cuda.current_device()])
     print(f"peak above the memory held before the step: {peak / 2**20:.1f} MiB")
-    for block in blocks[:args.top]:
+    for block in blocks[: args.top]:
         print(f"{block['size'] / 2**20:8.1f} MiB  {_where(block)}")
 
 

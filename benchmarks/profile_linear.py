@@ -25,32 +25,64 @@ from fp8state._kernels.cast_launch import default_config
 _CUDA = torch.device("cuda")
 
 # (BLOCK_M, BLOCK_N, num_warps, split) candidates for each layout (transpose, column sums).
-_TILES = [(bm, bn, w) for bm in (16, 32, 64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
-          if 1024 <= bm * bn <= 16384]
+_TILES = [
+    (bm, bn, w)
+    for bm in (16, 32, 64, 128)
+    for bn in (32, 64, 128, 256)
+    for w in (4, 8)
+    if 1024 <= bm * bn <= 16384
+]
 CONFIGS = {
-    (False, False): [(8, 256, 8, 1), (16, 256, 8, 1), (8, 512, 8, 1), (8, 256, 4, 1),
-                     (8, 256, 8, 2)],
+    (False, False): [
+        (8, 256, 8, 1),
+        (16, 256, 8, 1),
+        (8, 512, 8, 1),
+        (8, 256, 4, 1),
+        (8, 256, 8, 2),
+    ],
     (True, False): [(bm, bn, w, sp) for bm, bn, w in _TILES for sp in (1, 2, 4, 8)],
 }
 # With column sums the split is along the rows: 8-64 programs per column tile.
-_SUM_TILES = [(16, 128, 4), (16, 128, 8), (16, 256, 8), (32, 64, 4), (32, 128, 4), (32, 128, 8),
-              (32, 256, 8), (64, 64, 4), (64, 64, 8), (64, 128, 8)]
-CONFIGS[False, True] = CONFIGS[True, True] = [(bm, bn, w, sp) for bm, bn, w in _SUM_TILES
-                                              for sp in (8, 16, 32, 64)]
+_SUM_TILES = [
+    (16, 128, 4),
+    (16, 128, 8),
+    (16, 256, 8),
+    (32, 64, 4),
+    (32, 128, 4),
+    (32, 128, 8),
+    (32, 256, 8),
+    (64, 64, 4),
+    (64, 64, 8),
+    (64, 128, 8),
+]
+CONFIGS[False, True] = CONFIGS[True, True] = [
+    (bm, bn, w, sp) for bm, bn, w in _SUM_TILES for sp in (8, 16, 32, 64)
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16384x4096x4096")
-    parser.add_argument("--mlp", action="store_true",
-                        help="profile LayerNormMLP(in, out) instead (tokens x hidden x ffn)")
+    parser.add_argument(
+        "--mlp",
+        action="store_true",
+        help="profile LayerNormMLP(in, out) instead (tokens x hidden x ffn)",
+    )
     parser.add_argument("--sweep-only", action="store_true", help="skip the step profile")
-    parser.add_argument("--cast-shape", default=None, help="MxN of the swept cast (default: "
-                        "the input's shape)")
-    parser.add_argument("--op", default="identity", choices=("identity", "gelu", "dgelu"),
-                        help="what the swept cast computes before quantizing")
-    parser.add_argument("--column-sums", action="store_true",
-                        help="sweep the cast that also sums columns (a bias gradient)")
+    parser.add_argument(
+        "--cast-shape", default=None, help="MxN of the swept cast (default: the input's shape)"
+    )
+    parser.add_argument(
+        "--op",
+        default="identity",
+        choices=("identity", "gelu", "dgelu"),
+        help="what the swept cast computes before quantizing",
+    )
+    parser.add_argument(
+        "--column-sums",
+        action="store_true",
+        help="sweep the cast that also sums columns (a bias gradient)",
+    )
     args = parser.parse_args()
     tokens, k, n = map(int, args.shape.split("x"))
     if not args.sweep_only:
@@ -81,18 +113,24 @@ def profile_step(args: argparse.Namespace, tokens: int, k: int, n: int) -> None:
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / 3e3
     for e in events:
-        print(f"{e.self_device_time_total / 3e3:8.3f} ms/step {e.count // 3:4d} calls  "
-              f"{e.key[:90]}")
+        print(
+            f"{e.self_device_time_total / 3e3:8.3f} ms/step {e.count // 3:4d} calls  {e.key[:90]}"
+        )
     print(f"{total:8.3f} ms/step of kernels in all")
     timeline_gaps(step)
-    print(f"step {kernel_ms(step, _CUDA, 5, 20):.3f} ms; default cast configs "
-          f"{default_config(tokens, k, False)} / {default_config(tokens, k, True)} (transpose)")
+    print(
+        f"step {kernel_ms(step, _CUDA, 5, 20):.3f} ms; default cast configs "
+        f"{default_config(tokens, k, False)} / {default_config(tokens, k, True)} (transpose)"
+    )
 
 
 def _may_wait(name: str) -> bool:
     """Whether a CUDA runtime call waits for the device (or may: device or pinned allocations)."""
-    return ("Synchronize" in name or name == "cudaMemcpy"
-            or name.startswith(("cudaMalloc", "cudaFree", "cudaHostAlloc")))
+    return (
+        "Synchronize" in name
+        or name == "cudaMemcpy"
+        or name.startswith(("cudaMalloc", "cudaFree", "cudaHostAlloc"))
+    )
 
 
 def timeline_gaps(step, steps: int = 3) -> None:
@@ -113,26 +151,34 @@ def timeline_gaps(step, steps: int = 3) -> None:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
-                 key=lambda e: e["ts"])[1:]  # the sleep kernel first
-    gaps = [(b["ts"] - a["ts"] - a["dur"], a["name"], b["name"])
-            for a, b in zip(gpu, gpu[1:], strict=False)]
+    gpu = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+        key=lambda e: e["ts"],
+    )[1:]  # the sleep kernel first
+    gaps = [
+        (b["ts"] - a["ts"] - a["dur"], a["name"], b["name"])
+        for a, b in zip(gpu, gpu[1:], strict=False)
+    ]
     busy = sum(e["dur"] for e in gpu)
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
-    print(f"queued steps: {span / steps / 1e3:.3f} ms/step on the GPU, {busy / steps / 1e3:.3f} "
-          f"busy, {(span - busy) / steps / 1e3:.3f} idle")
+    print(
+        f"queued steps: {span / steps / 1e3:.3f} ms/step on the GPU, {busy / steps / 1e3:.3f} "
+        f"busy, {(span - busy) / steps / 1e3:.3f} idle"
+    )
     for gap, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  idle {gap:7.1f} us between {before[:50]} and {after[:50]}")
     print("the last step's kernels in order:")
-    for e in gpu[len(gpu) - len(gpu) // steps:]:
+    for e in gpu[len(gpu) - len(gpu) // steps :]:
         grid = e.get("args", {}).get("grid")
         print(f"  {e['dur']:8.1f} us  {e['name'][:60]}  grid {grid}")
     waits: dict[str, int] = {}
     for e in events:
         if e.get("cat") == "cuda_runtime" and _may_wait(e["name"]):
             waits[e["name"]] = waits.get(e["name"], 0) + 1
-    print(f"host calls that can wait, in the region (its closing synchronize included): "
-          f"{waits or 'none'}")
+    print(
+        f"host calls that can wait, in the region (its closing synchronize included): "
+        f"{waits or 'none'}"
+    )
 
 
 def sweep(args: argparse.Namespace, m: int, n: int) -> None:
@@ -149,17 +195,36 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         results = []
         default = default_config(m, n, transpose, args.op, args.column_sums)
         for cfg in [default, *CONFIGS[transpose, args.column_sums]]:
-            ms = kernel_ms(lambda cfg=cfg, transpose=transpose: cast_launch._launch(
-                x, scale, scale, cell, 0, 1, torch.float8_e4m3fn, transpose, snapshot=False,
-                new_step=False, column_sums=args.column_sums, op=args.op, aux=aux,
-                config=cfg), _CUDA, 5, 20)
+            ms = kernel_ms(
+                lambda cfg=cfg, transpose=transpose: cast_launch._launch(
+                    x,
+                    scale,
+                    scale,
+                    cell,
+                    0,
+                    1,
+                    torch.float8_e4m3fn,
+                    transpose,
+                    snapshot=False,
+                    new_step=False,
+                    column_sums=args.column_sums,
+                    op=args.op,
+                    aux=aux,
+                    config=cfg,
+                ),
+                _CUDA,
+                5,
+                20,
+            )
             results.append((ms, cfg))
         ranked = sorted(results[1:])[:8]
         for ms, cfg in [(results[0][0], f"{default} (default)"), *ranked]:
-            print(f"cast {args.op} {m}x{n} transpose={transpose} "
-                  f"column_sums={args.column_sums} config={cfg}: "
-                  f"{ms * 1e3:.1f} us, "
-                  f"{moved / ms / 1e6:.0f} GB/s")
+            print(
+                f"cast {args.op} {m}x{n} transpose={transpose} "
+                f"column_sums={args.column_sums} config={cfg}: "
+                f"{ms * 1e3:.1f} us, "
+                f"{moved / ms / 1e6:.0f} GB/s"
+            )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,15 @@ ROWS = [
     ("Linear 16384x16384x4096, speedup", "linear_speedup", "16384x16384x4096", ">=", 1.78),
     ("Linear 8192x8192x8192, speedup", "linear_speedup", "8192x8192x8192", ">=", 1.7),
     ("Linear 2048x1024x1024 (small), speedup", "small_linear_speedup", None, ">=", 0.95),
-    ("LayerNormMLP h4096 ffn16384, 16384 tokens, speedup", "layernorm_mlp_speedup", None, ">=",
-     1.75),
+    (
+        "LayerNormMLP h4096 ffn16384, 16384 tokens, speedup",
+        "layernorm_mlp_speedup",
+        None,
+        ">=",
+        1.75,
+    ),
     ("LayerNormMLP peak memory / bf16", "layernorm_mlp_peak_mem_ratio", None, "<=", 0.9),
-    ("quantize+amax 16384x4096 bf16 / bytes-moved bound", "quantize_bound_ratio", None, "<=",
-     1.3),
+    ("quantize+amax 16384x4096 bf16 / bytes-moved bound", "quantize_bound_ratio", None, "<=", 1.3),
     ("state_dict() of 1000 FP8 Linear, ms", "state_dict_1000_ms", None, "<=", 10),
     ("load_state_dict of the same, ms", "load_state_dict_1000_ms", None, "<=", 30),
     ("amax reduction + scale update, 1000 modules, ms", "scale_update_ms", None, "<=", 1),
@@ -67,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     new = render(doc, result)
     if args.check:
         if new != doc:
-            print("docs/benchmarks.md is out of date: run python benchmarks/render.py",
-                  file=sys.stderr)
+            print(
+                "docs/benchmarks.md is out of date: run python benchmarks/render.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     DOC.write_text(new)

@@ -51,8 +51,10 @@ def main(te_path: Path = TE_FILE) -> int:
     model.load_state_dict(state_dict)  # strict: every key matched
     proj = model["proj"]
     recipe = proj.fp8_recipe  # the recipe TE trained with, read from the checkpoint
-    print(f"\nrecipe from the checkpoint: {recipe.fp8_format.name}, margin {recipe.margin}, "
-          f"amax_history_len {recipe.amax_history_len}, {recipe.amax_compute_algo}")
+    print(
+        f"\nrecipe from the checkpoint: {recipe.fp8_format.name}, margin {recipe.margin}, "
+        f"amax_history_len {recipe.amax_history_len}, {recipe.amax_compute_algo}"
+    )
     for direction in ("fwd", "bwd"):
         meta = proj.fp8_meta(direction)
         print(f"proj {direction}.scale {meta.scale.tolist()}")
@@ -79,8 +81,10 @@ def main(te_path: Path = TE_FILE) -> int:
     if not torch.equal(history[1], before):  # TE's newest row moved down one step
         print("the history did not continue from TE's", file=sys.stderr)
         return 1
-    print(f"one FP8 step on {proj.weight.device}: loss {loss.item():.4f}; TE's amax history "
-          "continues (its newest row is now row 1)")
+    print(
+        f"one FP8 step on {proj.weight.device}: loss {loss.item():.4f}; TE's amax history "
+        "continues (its newest row is now row 1)"
+    )
     return 0
 
 

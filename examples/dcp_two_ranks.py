@@ -31,8 +31,9 @@ WORLD, HIDDEN, STEPS = 2, 32, 4
 
 def build_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(fp8state.LayerNormLinear(HIDDEN, HIDDEN), nn.GELU(),
-                         fp8state.Linear(HIDDEN, 1))
+    return nn.Sequential(
+        fp8state.LayerNormLinear(HIDDEN, HIDDEN), nn.GELU(), fp8state.Linear(HIDDEN, 1)
+    )
 
 
 def train_and_save(rank: int, folder: str) -> None:
@@ -89,8 +90,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(rank_main, args=(free_port(), folder), nprocs=WORLD, join=True)
         reference = torch.load(Path(folder) / "reference.pt", weights_only=True)
-        print(f"{WORLD} ranks trained {STEPS} FP8 steps and saved {Path(folder, 'dcp').name}/ "
-              f"({len(os.listdir(Path(folder) / 'dcp'))} files)")
+        print(
+            f"{WORLD} ranks trained {STEPS} FP8 steps and saved {Path(folder, 'dcp').name}/ "
+            f"({len(os.listdir(Path(folder) / 'dcp'))} files)"
+        )
 
         # One process, no process group: load the 2-rank checkpoint into a fresh model.
         loaded = build_model(seed=1)  # other initial weights: everything must come from disk
@@ -103,9 +106,11 @@ def main() -> int:
         from_file = build_model(seed=2)
         from_file.load_state_dict(torch.load(result.path, weights_only=True))
         file_ok = same_state(from_file, reference)
-        print(f"consolidate: {result.num_tensors} tensors, FP8 modules "
-              f"{list(result.fp8_modules)}; torch.load(weights_only=True) gives the same "
-              f"model: {file_ok}")
+        print(
+            f"consolidate: {result.num_tensors} tensors, FP8 modules "
+            f"{list(result.fp8_modules)}; torch.load(weights_only=True) gives the same "
+            f"model: {file_ok}"
+        )
     head = loaded[2].fp8_meta("fwd")
     print(f"head forward scales (reduced over both ranks): {head.scale.tolist()}")
     return 0 if loaded_ok and file_ok else 1

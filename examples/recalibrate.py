@@ -36,12 +36,14 @@ def fp8_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     torch.manual_seed(0)
-    model = nn.Sequential(fp8state.Linear(IN, HIDDEN), nn.GELU(approximate="tanh"),
-                          fp8state.Linear(HIDDEN, IN))
+    model = nn.Sequential(
+        fp8state.Linear(IN, HIDDEN), nn.GELU(approximate="tanh"), fp8state.Linear(HIDDEN, IN)
+    )
 
     # Weights trained elsewhere, in high precision (same key names as fp8state's modules).
-    source = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(approximate="tanh"),
-                           nn.Linear(HIDDEN, IN))
+    source = nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.GELU(approximate="tanh"), nn.Linear(HIDDEN, IN)
+    )
     with torch.no_grad():
         for p in source.parameters():
             p.normal_(0.0, 0.003)
@@ -58,8 +60,10 @@ def main() -> int:
     report = fp8state.recalibrate(model, [torch.randn(64, IN) for _ in range(4)])
     after = sqnr_db(reference, fp8_forward(model, x))
     print(f"recalibrated {len(report.modules)} FP8 modules on {report.batches} batches")
-    print(f"FP8 output vs high precision: {before:.1f} dB with the fresh scales, "
-          f"{after:.1f} dB after recalibrate")
+    print(
+        f"FP8 output vs high precision: {before:.1f} dB with the fresh scales, "
+        f"{after:.1f} dB after recalibrate"
+    )
     if not (after > 20 and after > before + 10):
         print("recalibration did not restore FP8 accuracy", file=sys.stderr)
         return 1

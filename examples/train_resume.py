@@ -63,8 +63,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.pt"
         losses = train(model, opt, range(CHECKPOINT_AT))
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "step": CHECKPOINT_AT}, path)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": CHECKPOINT_AT},
+            path,
+        )
         losses += train(model, opt, range(CHECKPOINT_AT, STEPS))
 
         # Run 2: a fresh model, as a new process would build it (other seed: nothing shared),
@@ -84,16 +86,23 @@ def main() -> int:
     same_meta = all(
         torch.equal(getattr(a.fp8_meta(d), f), getattr(b.fp8_meta(d), f))
         for a, b in ((mlp, fresh_mlp), (model[1], fresh[1]))
-        for d in ("fwd", "bwd") for f in ("amax_history", "scale", "scale_inv")
+        for d in ("fwd", "bwd")
+        for f in ("amax_history", "scale", "scale_inv")
     )
-    same_weights = all(torch.equal(a, b)
-                       for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    same_weights = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
     if not (same_losses and same_meta and same_weights):
-        print(f"resume differs: losses {same_losses}, FP8 metadata {same_meta}, "
-              f"weights {same_weights}", file=sys.stderr)
+        print(
+            f"resume differs: losses {same_losses}, FP8 metadata {same_meta}, "
+            f"weights {same_weights}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"resumed at step {CHECKPOINT_AT}: losses of steps {CHECKPOINT_AT}-{STEPS - 1}, "
-          "weights and FP8 metadata identical bit for bit")
+    print(
+        f"resumed at step {CHECKPOINT_AT}: losses of steps {CHECKPOINT_AT}-{STEPS - 1}, "
+        "weights and FP8 metadata identical bit for bit"
+    )
     return 0
 
 

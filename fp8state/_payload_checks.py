@@ -25,28 +25,39 @@ def payload_key(name: object) -> str:
 def check_flat(payload: Mapping[Any, Any]) -> Mapping[str, torch.Tensor]:
     for name, value in payload.items():
         # The all-valid case in one test per entry (this runs for every module of a model).
-        if type(name) is str and isinstance(value, torch.Tensor) and value.is_cpu \
-                and value.layout == torch.strided:
+        if (
+            type(name) is str
+            and isinstance(value, torch.Tensor)
+            and value.is_cpu
+            and value.layout == torch.strided
+        ):
             continue
         if not isinstance(name, str):
             raise SchemaError(
-                payload_key(name), f"a key of type {type(name).__name__}", "string keys only",
+                payload_key(name),
+                f"a key of type {type(name).__name__}",
+                "string keys only",
                 "The payload is not an fp8state extra state.",
             )
         if not isinstance(value, torch.Tensor):
             raise SchemaError(
-                payload_key(name), f"a {type(value).__name__}", "a torch.Tensor (the schema is flat)",
+                payload_key(name),
+                f"a {type(value).__name__}",
+                "a torch.Tensor (the schema is flat)",
                 "Do not nest containers in the payload; see docs/schema.md.",
             )
         if value.is_meta:
             raise SchemaError(
-                payload_key(name), "a tensor on the meta device (it holds no data)",
+                payload_key(name),
+                "a tensor on the meta device (it holds no data)",
                 "a tensor on a real device",
                 "Load the checkpoint itself, not a state_dict() of a model built on 'meta'.",
             )
         if value.layout != torch.strided:
             raise SchemaError(
-                payload_key(name), f"layout {value.layout}", "a dense (strided) tensor",
+                payload_key(name),
+                f"layout {value.layout}",
+                "a dense (strided) tensor",
                 "Convert it with .to_dense() before loading.",
             )
     return payload
@@ -56,8 +67,10 @@ def int_scalar(payload: Mapping[str, torch.Tensor], name: str) -> int:
     value = payload[name]
     if value.dtype != torch.int64 or value.dim() != 0:
         raise SchemaError(
-            payload_key(name), f"dtype {value.dtype} with shape {tuple(value.shape)}",
-            "a 0-d torch.int64 tensor", "The checkpoint is corrupt or was edited by hand.",
+            payload_key(name),
+            f"dtype {value.dtype} with shape {tuple(value.shape)}",
+            "a 0-d torch.int64 tensor",
+            "The checkpoint is corrupt or was edited by hand.",
         )
     return int(value.item())
 
@@ -72,26 +85,32 @@ def check_consistency(
     gemms_bwd = bwd_scale.shape[0] // BWD_SLOTS_PER_GEMM
     if gemms_fwd != gemms_bwd:
         raise SchemaError(
-            payload_key("bwd.scale"), f"{bwd_scale.shape[0]} backward slots ({gemms_bwd} GEMMs)",
+            payload_key("bwd.scale"),
+            f"{bwd_scale.shape[0]} backward slots ({gemms_bwd} GEMMs)",
             f"{2 * gemms_fwd} slots, for the {gemms_fwd} GEMMs of the forward direction",
             "The checkpoint is corrupt.",
         )
     if num_gemms is not None and gemms_fwd != num_gemms:
         raise SchemaError(
-            payload_key("fwd.scale"), f"metadata for {gemms_fwd} GEMM(s) ({fwd_scale.shape[0]} slots)",
+            payload_key("fwd.scale"),
+            f"metadata for {gemms_fwd} GEMM(s) ({fwd_scale.shape[0]} slots)",
             f"{num_gemms} GEMM(s) ({FWD_SLOTS_PER_GEMM * num_gemms} slots) for this module",
             "Load the checkpoint into the module type that saved it.",
         )
     rows = fwd_hist.shape[0]
     if bwd_hist.shape[0] != rows:
         raise SchemaError(
-            payload_key("bwd.amax_history"), f"{bwd_hist.shape[0]} rows",
-            f"{rows} rows like fwd.amax_history", "The checkpoint is corrupt.",
+            payload_key("bwd.amax_history"),
+            f"{bwd_hist.shape[0]} rows",
+            f"{rows} rows like fwd.amax_history",
+            "The checkpoint is corrupt.",
         )
     if window > rows:
         raise SchemaError(
-            payload_key("recipe.amax_history_len"), str(window),
-            f"at most the {rows} rows the history holds", "The checkpoint is corrupt.",
+            payload_key("recipe.amax_history_len"),
+            str(window),
+            f"at most the {rows} rows the history holds",
+            "The checkpoint is corrupt.",
         )
 
 
@@ -106,7 +125,8 @@ def check_values(payload: Mapping[str, torch.Tensor]) -> None:
     flat = torch.cat([*scales, *(payload[k].reshape(-1) for k in _HISTORY_KEYS)])
     split = sum(t.numel() for t in scales)
     lo_s, hi_s, lo_h, hi_h = torch.stack(
-        [*torch.aminmax(flat[:split]), *torch.aminmax(flat[split:])]).tolist()
+        [*torch.aminmax(flat[:split]), *torch.aminmax(flat[split:])]
+    ).tolist()
     # min > 0 and max < inf; NaN fails both comparisons. For histories, min >= 0.
     if lo_s > 0 and hi_s < float("inf") and lo_h >= 0 and hi_h < float("inf"):
         return
@@ -117,7 +137,8 @@ def check_values(payload: Mapping[str, torch.Tensor]) -> None:
         if not bool(ok.all()):
             bad = t[~ok]
             raise SchemaError(
-                payload_key(name), f"{bad.numel()} invalid value(s), e.g. {bad[0].item()!r}",
+                payload_key(name),
+                f"{bad.numel()} invalid value(s), e.g. {bad[0].item()!r}",
                 "finite values > 0" if scale_like else "finite values >= 0",
                 "The checkpoint is corrupt or came from a diverged run; load an earlier one "
                 "or reset this module's FP8 metadata.",

@@ -76,9 +76,7 @@ class _BackwardRegistry:
             self.queued_tasks.add(task)
         if queue:
             # Runs once the whole backward pass is done, whatever the graph's shape.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self.flush(task)
-            )
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush(task))
 
     def flush(self, task: int | None = None) -> None:
         with self.lock:
@@ -157,24 +155,33 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
     ) -> None:
         if fp8_recipe is not None and not isinstance(fp8_recipe, DelayedScaling):
             raise ConfigError(
-                "fp8_autocast(fp8_recipe=...)", type(fp8_recipe).__name__,
-                "an fp8state.DelayedScaling", "Build the recipe with fp8state.DelayedScaling.",
+                "fp8_autocast(fp8_recipe=...)",
+                type(fp8_recipe).__name__,
+                "an fp8state.DelayedScaling",
+                "Build the recipe with fp8state.DelayedScaling.",
             )
         if gemm_backend not in BACKENDS:
             raise ConfigError(
-                "fp8_autocast(gemm_backend=...)", repr(gemm_backend), f"one of {BACKENDS}",
+                "fp8_autocast(gemm_backend=...)",
+                repr(gemm_backend),
+                f"one of {BACKENDS}",
                 "Pass gemm_backend='auto'.",
             )
         self._ctx = FP8Context(
-            enabled=bool(enabled), calibrating=bool(calibrating),
-            recipe=fp8_recipe or _DEFAULT_RECIPE, group=fp8_group, gemm_backend=gemm_backend,
+            enabled=bool(enabled),
+            calibrating=bool(calibrating),
+            recipe=fp8_recipe or _DEFAULT_RECIPE,
+            group=fp8_group,
+            gemm_backend=gemm_backend,
         )
         self._entered = False
 
     def __enter__(self) -> fp8_autocast:
         if self._entered:
             raise ConfigError(
-                "fp8_autocast", "a context entered twice", "one `with` per instance",
+                "fp8_autocast",
+                "a context entered twice",
+                "one `with` per instance",
                 "Create a new fp8_autocast(...) for each `with` block.",
             )
         self._entered = True

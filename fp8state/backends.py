@@ -17,7 +17,11 @@ from fp8state.errors import ConfigError
 from fp8state.quantize import dequantize
 
 __all__ = [
-    "BACKENDS", "DEFAULT_MIN_GEMM_MACS", "scaled_mm_support", "resolve_backend", "fp8_gemm",
+    "BACKENDS",
+    "DEFAULT_MIN_GEMM_MACS",
+    "scaled_mm_support",
+    "resolve_backend",
+    "fp8_gemm",
     "min_gemm_macs",
 ]
 
@@ -69,7 +73,8 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     ok, reason = scaled_mm_support(device)
     if requested == "scaled_mm" and not ok:
         raise ConfigError(
-            "gemm_backend", f"'scaled_mm' requested, but {reason}",
+            "gemm_backend",
+            f"'scaled_mm' requested, but {reason}",
             "a CUDA device with compute capability >= 8.9",
             "Use gemm_backend='auto' or 'emulated' on this device.",
         )
@@ -123,8 +128,13 @@ def fp8_gemm(
     if backend == "scaled_mm" and _fits_scaled_mm(a_fp8, b_fp8):
         # The kernel fuses a bias only for 16-bit outputs of the bias's dtype (torch 2.11
         # refuses one with float32 output); otherwise it is added afterwards.
-        fused_bias = (bias if bias is not None and bias.dtype == out_dtype
-                      and out_dtype in (torch.bfloat16, torch.float16) else None)
+        fused_bias = (
+            bias
+            if bias is not None
+            and bias.dtype == out_dtype
+            and out_dtype in (torch.bfloat16, torch.float16)
+            else None
+        )
         # Row-major a and column-major b, as the kernel requires. The checks first: even
         # no-op .contiguous()/.t() calls cost host time in a loop that launches per GEMM.
         if not a_fp8.is_contiguous():

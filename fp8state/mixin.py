@@ -25,13 +25,13 @@ from torch import nn
 
 from fp8state import scaling
 from fp8state._runtime import meta_io, staging
-from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES, buffer_name
+from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES
 from fp8state._runtime.friend import StepBookkeeping
 from fp8state._runtime.generation import bump_buffer_generation
 from fp8state._runtime.slot_cast import kernels_available
 from fp8state.errors import ConfigError, FP8StateError
 from fp8state.recipe import DEFAULT_HISTORY_ROWS, DelayedScaling
-from fp8state.schema import DIRECTIONS, EXTRA_STATE_KEY, DirectionState, FP8State, slots_per_gemm
+from fp8state.schema import DIRECTIONS, EXTRA_STATE_KEY, DirectionState, FP8State
 from fp8state.slots import Direction, by_direction
 
 __all__ = ["FP8StateMixin", "ScalingBuffers", "DEFAULT_HISTORY_ROWS"]
@@ -97,34 +97,16 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         """
         if self._fp8_num_gemms is not None:
             raise ConfigError(
-                type(self).__name__, "a second init_fp8_meta() call", "exactly one call",
+                type(self).__name__,
+                "a second init_fp8_meta() call",
+                "exactly one call",
                 "Call init_fp8_meta once, in __init__.",
             )
-        for name, value in (("num_gemms", num_gemms), ("history_rows", history_rows)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"{type(self).__name__}.init_fp8_meta({name}=...)", repr(value),
-                    "an int >= 1", f"Pass a positive {name}.",
-                )
-        if device is None:
-            first = next(iter([*self.parameters(), *self.buffers()]), None)
-            device = first.device if first is not None else torch.device("cpu")
-        for d in DIRECTIONS:
-            n = num_gemms * slots_per_gemm(d)
-            initial = {
-                "amax_history": torch.zeros(history_rows, n, dtype=torch.float32, device=device),
-                "scale": torch.ones(n, dtype=torch.float32, device=device),
-                "scale_inv": torch.ones(n, dtype=torch.float32, device=device),
-            }
-            for field, tensor in initial.items():
-                self.register_buffer(buffer_name(d, field), tensor, persistent=False)
+        meta_io.allocate(self, num_gemms=num_gemms, device=device, history_rows=history_rows)
         self._fp8_num_gemms = num_gemms
-        #: Bumped by every change of the metadata made through this class (records, updates,
-        #: loads, growth), so a staged payload (fp8state._runtime.staging) knows when it is stale.
-        self._fp8_mutations = 0
+        self._fp8_mutations = 0  # see StepBookkeeping
         bump_buffer_generation()  # a new module may reuse a dead one's id()
         staging.register(self)
-        # True when the next recorded amax opens a new step (shifts the history down).
         self._fp8_new_step: dict[Direction, bool] = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
         self.fp8_weight_cache: dict[
@@ -155,8 +137,10 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
     def fp8_recipe(self, recipe: DelayedScaling) -> None:
         if not isinstance(recipe, DelayedScaling):
             raise ConfigError(
-                f"{type(self).__name__}.fp8_recipe", type(recipe).__name__,
-                "an fp8state.DelayedScaling", "Assign a DelayedScaling recipe.",
+                f"{type(self).__name__}.fp8_recipe",
+                type(recipe).__name__,
+                "an fp8state.DelayedScaling",
+                "Assign a DelayedScaling recipe.",
             )
         # A window longer than the buffer would make get_extra_state() write a payload that
         # set_extra_state() refuses (window > rows): grow now, with the one warning.
@@ -188,7 +172,9 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
     def _require_meta(self) -> int:
         if self._fp8_num_gemms is None:
             raise ConfigError(
-                type(self).__name__, "no FP8 metadata", "init_fp8_meta() called in __init__",
+                type(self).__name__,
+                "no FP8 metadata",
+                "init_fp8_meta() called in __init__",
                 "Call self.init_fp8_meta(num_gemms=...) in the module's __init__.",
             )
         return self._fp8_num_gemms
@@ -212,8 +198,10 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
             new = self._buffers.get(name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(device=new.device)
-        if any(old is not None and old.is_meta and not cast(torch.Tensor, self._buffers[n]).is_meta
-               for n, old in before.items()):
+        if any(
+            old is not None and old.is_meta and not cast(torch.Tensor, self._buffers[n]).is_meta
+            for n, old in before.items()
+        ):
             # Materialized from meta (to_empty): the buffers hold whatever memory they got.
             # Metadata has no values on meta; the only right content is a fresh module's.
             meta_io.reset(self)
@@ -294,11 +282,24 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         if kernels_available(meta.scale.device):
             from fp8state._kernels.triton_update import update_scales_
 
-            update_scales_(meta.amax_history, meta.scale, meta.scale_inv, window=window,
-                           algo=algo, fp8_max=fp8_max, margin=margin)
+            update_scales_(
+                meta.amax_history,
+                meta.scale,
+                meta.scale_inv,
+                window=window,
+                algo=algo,
+                fp8_max=fp8_max,
+                margin=margin,
+            )
         else:
-            scale, scale_inv = scaling.update_scale(meta.amax_history, meta.scale, window=window,
-                                                    algo=algo, fp8_max=fp8_max, margin=margin)
+            scale, scale_inv = scaling.update_scale(
+                meta.amax_history,
+                meta.scale,
+                window=window,
+                algo=algo,
+                fp8_max=fp8_max,
+                margin=margin,
+            )
             meta.scale.copy_(scale)
             meta.scale_inv.copy_(scale_inv)
         self._fp8_close_step(direction)
@@ -379,7 +380,12 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
             self._fp8_pending_load = (state_dict[key], validated)
         try:
             super()._load_from_state_dict(
-                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
                 error_msgs,
             )
         finally:

@@ -59,6 +59,9 @@ def apply_op(x: torch.Tensor, op: str, aux: torch.Tensor | None = None) -> torch
         return F.gelu(x.float(), approximate="tanh")
     if op == "dgelu" and aux is not None:
         return torch.ops.aten.gelu_backward(x.float(), aux.float(), approximate="tanh")
-    raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
-                      "'identity', 'gelu', or 'dgelu' with aux",
-                      "Pass one of the supported ops (this is a bug in the caller).")
+    raise ConfigError(
+        "cast_slot(op=...)",
+        f"{op!r} (aux given: {aux is not None})",
+        "'identity', 'gelu', or 'dgelu' with aux",
+        "Pass one of the supported ops (this is a bug in the caller).",
+    )

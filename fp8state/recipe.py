@@ -103,12 +103,16 @@ class DelayedScaling:
             fmt = Format.from_code(fmt_code)
         except KeyError:
             raise RecipeError(
-                "recipe.fp8_format", str(fmt_code), "0 (E4M3) or 1 (HYBRID)",
+                "recipe.fp8_format",
+                str(fmt_code),
+                "0 (E4M3) or 1 (HYBRID)",
                 "The checkpoint was written by a newer fp8state or is corrupt.",
             ) from None
         if not 0 <= algo_code < len(AMAX_COMPUTE_ALGOS):
             raise RecipeError(
-                "recipe.amax_compute_algo", str(algo_code), "0 (max) or 1 (most_recent)",
+                "recipe.amax_compute_algo",
+                str(algo_code),
+                "0 (max) or 1 (most_recent)",
                 "The checkpoint was written by a newer fp8state or is corrupt.",
             )
         return cls(

@@ -63,9 +63,7 @@ def is_extra_state_key(key: object) -> bool:
         >>> is_extra_state_key("blocks.0._extra_state"), is_extra_state_key("blocks.0.weight")
         (True, False)
     """
-    return isinstance(key, str) and (
-        key == EXTRA_STATE_KEY or key.endswith("." + EXTRA_STATE_KEY)
-    )
+    return isinstance(key, str) and (key == EXTRA_STATE_KEY or key.endswith("." + EXTRA_STATE_KEY))
 
 
 class DirectionState(NamedTuple):
@@ -166,8 +164,9 @@ def pack(state: FP8State) -> Payload:
             for chunk, p in zip(flat.split([p.numel() for p in parts]), parts, strict=True)
         ]
     # device="cpu": a `with torch.device(...)` default must not move the payload.
-    payload: Payload = {"schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64,
-                                                       device="cpu")}
+    payload: Payload = {
+        "schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64, device="cpu")
+    }
     names = [f"{d}.{f}" for d in DIRECTIONS for f in TENSOR_FIELDS]
     payload.update(zip(names, host, strict=True))
     for field, value in state.recipe.to_scalars().items():
@@ -248,14 +247,17 @@ def unpack(payload: object, *, num_gemms: int | None = None) -> FP8State:
 def _upgrade(payload: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     if "schema_version" not in payload:
         raise SchemaError(
-            payload_key("schema_version"), "no such key", "an int64 schema version",
+            payload_key("schema_version"),
+            "no such key",
+            "an int64 schema version",
             "The payload is not an fp8state extra state; for a TransformerEngine checkpoint "
             "use `fp8state migrate` or fp8state.migrate.load_te_checkpoint.",
         )
     version = int_scalar(payload, "schema_version")
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
-            payload_key("schema_version"), f"version {version}",
+            payload_key("schema_version"),
+            f"version {version}",
             f"at most version {SCHEMA_VERSION}, the newest this fp8state can read",
             "Upgrade fp8state to read this checkpoint.",
         )
@@ -263,7 +265,8 @@ def _upgrade(payload: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         step = UPGRADERS.get(version)
         if step is None:
             raise SchemaVersionError(
-                payload_key("schema_version"), f"version {version}",
+                payload_key("schema_version"),
+                f"version {version}",
                 f"a version from 1 to {SCHEMA_VERSION}",
                 "No fp8state release wrote this version: the checkpoint is corrupt.",
             )
@@ -280,12 +283,15 @@ def _check_keys(payload: Mapping[str, torch.Tensor]) -> None:
     extra = sorted(payload.keys() - _REQUIRED)
     if missing:
         raise SchemaError(
-            payload_key(missing[0]), f"missing keys {missing}", f"all of {sorted(_REQUIRED)}",
+            payload_key(missing[0]),
+            f"missing keys {missing}",
+            f"all of {sorted(_REQUIRED)}",
             "The checkpoint is incomplete; re-save it from the model.",
         )
     if extra:
         raise SchemaError(
-            payload_key(extra[0]), f"unexpected keys {extra}",
+            payload_key(extra[0]),
+            f"unexpected keys {extra}",
             f"only the schema-{SCHEMA_VERSION} keys",
             "A newer writer must raise schema_version; remove keys added by hand.",
         )
@@ -307,7 +313,9 @@ def _unpack_direction(payload: Mapping[str, torch.Tensor], d: Direction) -> Dire
         name = f"{d}.{field}"
         if payload[name].dtype != torch.float32:
             raise SchemaError(
-                payload_key(name), f"dtype {payload[name].dtype}", "torch.float32",
+                payload_key(name),
+                f"dtype {payload[name].dtype}",
+                "torch.float32",
                 "The checkpoint is corrupt or was edited by hand.",
             )
     hist, scale, scale_inv = (payload[f"{d}.{f}"] for f in TENSOR_FIELDS)
@@ -315,18 +323,23 @@ def _unpack_direction(payload: Mapping[str, torch.Tensor], d: Direction) -> Dire
     per = slots_per_gemm(d)
     if scale.dim() != 1 or n == 0 or n % per:
         raise SchemaError(
-            payload_key(f"{d}.scale"), f"shape {tuple(scale.shape)}",
+            payload_key(f"{d}.scale"),
+            f"shape {tuple(scale.shape)}",
             f"(n,) with n a positive multiple of {per} ({per} slots per GEMM)",
             "The checkpoint is corrupt.",
         )
     if tuple(scale_inv.shape) != (n,):
         raise SchemaError(
-            payload_key(f"{d}.scale_inv"), f"shape {tuple(scale_inv.shape)}", f"({n},) like {d}.scale",
+            payload_key(f"{d}.scale_inv"),
+            f"shape {tuple(scale_inv.shape)}",
+            f"({n},) like {d}.scale",
             "The checkpoint is corrupt.",
         )
     if hist.dim() != 2 or hist.shape[0] < 1 or hist.shape[1] != n:
         raise SchemaError(
-            payload_key(f"{d}.amax_history"), f"shape {tuple(hist.shape)}",
-            f"(rows >= 1, {n}) matching {d}.scale", "The checkpoint is corrupt.",
+            payload_key(f"{d}.amax_history"),
+            f"shape {tuple(hist.shape)}",
+            f"(rows >= 1, {n}) matching {d}.scale",
+            "The checkpoint is corrupt.",
         )
     return DirectionState(hist, scale, scale_inv)

@@ -13,8 +13,15 @@ from typing import Literal, TypeVar
 from fp8state.errors import ConfigError
 
 __all__ = [
-    "Direction", "DIRECTIONS", "by_direction", "FwdSlot", "BwdSlot", "FWD_SLOTS_PER_GEMM",
-    "BWD_SLOTS_PER_GEMM", "fwd_slot", "bwd_slot",
+    "Direction",
+    "DIRECTIONS",
+    "by_direction",
+    "FwdSlot",
+    "BwdSlot",
+    "FWD_SLOTS_PER_GEMM",
+    "BWD_SLOTS_PER_GEMM",
+    "fwd_slot",
+    "bwd_slot",
 ]
 
 #: The two directions of FP8 metadata: forward (GEMM operands and outputs) and backward

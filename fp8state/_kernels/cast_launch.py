@@ -19,8 +19,9 @@ from fp8state._kernels.triton_cast import OPS, cast_kernel
 __all__ = ["cast_transpose_amax", "cast_slot", "default_config"]
 
 
-def default_config(rows: int, cols: int, transpose: bool, op: str = "identity",
-                   column_sums: bool = False) -> tuple[int, int, int, int]:
+def default_config(
+    rows: int, cols: int, transpose: bool, op: str = "identity", column_sums: bool = False
+) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, split)`` for an ``(rows, cols)`` tensor.
 
     ``split``: how many programs share one row block's columns, each walking its share
@@ -81,9 +82,22 @@ def cast_transpose_amax(
         config: ``(BLOCK_M, BLOCK_N, num_warps, split)``; default from
             :func:`default_config` (benchmarks/profile_linear.py sweeps the alternatives).
     """
-    out, out_t, _, _ = _launch(x_2d, scale, scale, amax_cell, 0, 1, fp8_dtype, transpose,
-                               snapshot=False, new_step=False, column_sums=False,
-                               op="identity", aux=None, config=config)
+    out, out_t, _, _ = _launch(
+        x_2d,
+        scale,
+        scale,
+        amax_cell,
+        0,
+        1,
+        fp8_dtype,
+        transpose,
+        snapshot=False,
+        new_step=False,
+        column_sums=False,
+        op="identity",
+        aux=None,
+        config=config,
+    )
     return out, out_t
 
 
@@ -127,9 +141,21 @@ def cast_slot(
         ``(x_fp8, x_fp8_t or None, scale_inv_snapshot, column sums or None)``; the snapshot
         is a 1-element copy of ``scale_inv[slot]`` as it was when the cast ran.
     """
-    return _launch(x_2d, scale, scale_inv, history, slot, history.shape[-1], fp8_dtype,
-                   transpose, snapshot=True, new_step=new_step, column_sums=column_sums,
-                   op=op, aux=aux)
+    return _launch(
+        x_2d,
+        scale,
+        scale_inv,
+        history,
+        slot,
+        history.shape[-1],
+        fp8_dtype,
+        transpose,
+        snapshot=True,
+        new_step=new_step,
+        column_sums=column_sums,
+        op=op,
+        aux=aux,
+    )
 
 
 # One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
@@ -138,8 +164,9 @@ _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(cast_kernel)
 # libdevice's fast division is NVIDIA's (ROCm builds of torch also report "cuda" devices).
 _FAST_DIV = torch.version.hip is None
-_FP8_MAX = {dtype: float(torch.finfo(dtype).max)
-            for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+_FP8_MAX = {
+    dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+}
 
 
 def _stream_key(device: torch.device) -> tuple[int, int]:
@@ -162,11 +189,14 @@ def _scratch(device: torch.device) -> torch.Tensor:
 _SUMS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _sum_scratch(device: torch.device, floats: int, tiles: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sum_scratch(
+    device: torch.device, floats: int, tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.cuda.is_current_stream_capturing():
-        return (torch.empty(floats, dtype=torch.float32, device=device),
-                torch.zeros(tiles, dtype=torch.int32, device=device))
+        return (
+            torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(tiles, dtype=torch.int32, device=device),
+        )
     key = _stream_key(device)
     partial, counts = _SUMS.get(key) or (None, None)
     if partial is None or partial.numel() < floats:
@@ -178,11 +208,17 @@ def _sum_scratch(device: torch.device, floats: int, tiles: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str, column_sums: bool,
-          config: tuple[int, int, int, int] | None) -> tuple[Any, ...]:
+def _plan(
+    m: int,
+    n: int,
+    transpose: bool,
+    n_slots: int,
+    op: str,
+    column_sums: bool,
+    config: tuple[int, int, int, int] | None,
+) -> tuple[Any, ...]:
     """Everything about a launch that depends on shapes only (cached: this runs per cast)."""
-    block_m, block_n, warps, split = config or default_config(m, n, transpose, op,
-                                                              column_sums)
+    block_m, block_n, warps, split = config or default_config(m, n, transpose, op, column_sums)
     if column_sums:  # each program walks ``span`` rows of one column tile
         span = triton.cdiv(triton.cdiv(m, split), block_m) * block_m
         grid = (triton.cdiv(m, span), triton.cdiv(n, block_n))
@@ -195,37 +231,96 @@ def _plan(m: int, n: int, transpose: bool, n_slots: int, op: str, column_sums: b
 
 
 def _launch(
-    x_2d: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, history: torch.Tensor,
-    slot: int, n_slots: int, fp8_dtype: torch.dtype, transpose: bool, *, snapshot: bool,
-    new_step: bool, column_sums: bool, op: str, aux: torch.Tensor | None,
+    x_2d: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    history: torch.Tensor,
+    slot: int,
+    n_slots: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    *,
+    snapshot: bool,
+    new_step: bool,
+    column_sums: bool,
+    op: str,
+    aux: torch.Tensor | None,
     config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     m, n = x_2d.shape
     device = x_2d.device
     grid, block_m, block_n, warps, span, slots_block, specs = _plan(
-        m, n, transpose, n_slots, op, column_sums, config)
+        m, n, transpose, n_slots, op, column_sums, config
+    )
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
     scratch = _scratch(device) if new_step else scale
     split_rows = column_sums and grid[0] > 1
     if column_sums:  # as Tensor.sum: the input's dtype, or float32 for a computed value
-        sums = torch.empty(n, dtype=x_2d.dtype if op == "identity" else torch.float32,
-                           device=device)
-        partial, counts = _sum_scratch(device, grid[0] * n, grid[1]) if split_rows else (
-            sums, sums)
+        sums = torch.empty(
+            n, dtype=x_2d.dtype if op == "identity" else torch.float32, device=device
+        )
+        partial, counts = _sum_scratch(device, grid[0] * n, grid[1]) if split_rows else (sums, sums)
     else:
         sums = partial = counts = scale
     rows = history.shape[0] if history.dim() == 2 else 1
     code = OPS[op]
     aux_t = aux if aux is not None else x_2d
-    key = (specs, x_2d.dtype, aux_t.dtype, fp8_dtype, transpose, snapshot, new_step,
-           column_sums, split_rows, code, ptr_aligned(x_2d), ptr_aligned(aux_t),
-           ptr_aligned(scale), ptr_aligned(scale_inv), ptr_aligned(history), ptr_aligned(sums))
-    _LAUNCHER(key, grid, (
-        x_2d, aux_t, out, out_t, scale, scale_inv, inv_out, history, scratch, sums, partial,
-        counts, slot, n_slots, rows, m, n, span, _FP8_MAX[fp8_dtype], block_m, block_n,
-        transpose, snapshot, new_step, column_sums, split_rows, slots_block,
-        max(1, 2048 // slots_block), code, _FAST_DIV,
-    ), device, num_warps=warps)
+    key = (
+        specs,
+        x_2d.dtype,
+        aux_t.dtype,
+        fp8_dtype,
+        transpose,
+        snapshot,
+        new_step,
+        column_sums,
+        split_rows,
+        code,
+        ptr_aligned(x_2d),
+        ptr_aligned(aux_t),
+        ptr_aligned(scale),
+        ptr_aligned(scale_inv),
+        ptr_aligned(history),
+        ptr_aligned(sums),
+    )
+    _LAUNCHER(
+        key,
+        grid,
+        (
+            x_2d,
+            aux_t,
+            out,
+            out_t,
+            scale,
+            scale_inv,
+            inv_out,
+            history,
+            scratch,
+            sums,
+            partial,
+            counts,
+            slot,
+            n_slots,
+            rows,
+            m,
+            n,
+            span,
+            _FP8_MAX[fp8_dtype],
+            block_m,
+            block_n,
+            transpose,
+            snapshot,
+            new_step,
+            column_sums,
+            split_rows,
+            slots_block,
+            max(1, 2048 // slots_block),
+            code,
+            _FAST_DIV,
+        ),
+        device,
+        num_warps=warps,
+    )
     return out, (out_t if transpose else None), inv_out, (sums if column_sums else None)

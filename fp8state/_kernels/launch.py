@@ -78,8 +78,14 @@ class FastLauncher:
         self._compiled: dict[tuple[int, Hashable], Any] = {}
         self._direct = True
 
-    def __call__(self, key: Hashable, grid: Sequence[int], args: Sequence[Any],
-                 device: torch.device, num_warps: int = 4) -> None:
+    def __call__(
+        self,
+        key: Hashable,
+        grid: Sequence[int],
+        args: Sequence[Any],
+        device: torch.device,
+        num_warps: int = 4,
+    ) -> None:
         """Launch on ``grid`` with ``args`` (all parameters in order, constexprs included).
 
         Args:
@@ -103,8 +109,18 @@ class FastLauncher:
                 self._remember(index, key, compiled)
             return
         g = (*grid, 1, 1)
-        compiled.run(g[0], g[1], g[2], raw_stream(index), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args)
+        compiled.run(
+            g[0],
+            g[1],
+            g[2],
+            raw_stream(index),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+        )
 
     def _remember(self, index: int, key: Hashable, compiled: Any) -> None:
         # Only a compiled kernel with the interface this module launches through is kept;

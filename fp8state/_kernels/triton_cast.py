@@ -25,8 +25,7 @@ __all__ = ["OPS", "cast_kernel"]
 
 
 @triton.jit
-def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr,
-               CHUNK: tl.constexpr):
+def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
     """Shift the history down one row, zero row 0, write ``amax`` into row 0 of ``slot``.
 
     Run by one program only, after every other program has finished with the history.
@@ -83,8 +82,22 @@ def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_DIV: tl.constexp
 
 
 @triton.jit
-def _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows, cols, M, N, scale, fp8_max, running,
-               TRANSPOSE: tl.constexpr, OP: tl.constexpr, FAST_DIV: tl.constexpr):
+def _cast_tile(
+    x_ptr,
+    aux_ptr,
+    out_ptr,
+    out_t_ptr,
+    rows,
+    cols,
+    M,
+    N,
+    scale,
+    fp8_max,
+    running,
+    TRANSPOSE: tl.constexpr,
+    OP: tl.constexpr,
+    FAST_DIV: tl.constexpr,
+):
     """Cast one ``rows x cols`` tile (and store its transpose).
 
     Returns the tile's float32 values (0 where masked out: they add nothing to a sum) and
@@ -102,18 +115,41 @@ def _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows, cols, M, N, scale, fp8_
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offsets, y, mask=mask)
     if TRANSPOSE:
-        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y),
-                 mask=tl.trans(mask))
+        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
     return x, running
 
 
 @triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
 def cast_kernel(
-    x_ptr, aux_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr, hist_ptr, scratch_ptr,
-    sums_ptr, partial_ptr, count_ptr, slot, n_slots, hist_rows, M, N, span, fp8_max,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSE: tl.constexpr,
-    SNAPSHOT: tl.constexpr, SHIFT: tl.constexpr, COLSUM: tl.constexpr,
-    SPLIT_ROWS: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, OP: tl.constexpr,
+    x_ptr,
+    aux_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    inv_ptr,
+    inv_out_ptr,
+    hist_ptr,
+    scratch_ptr,
+    sums_ptr,
+    partial_ptr,
+    count_ptr,
+    slot,
+    n_slots,
+    hist_rows,
+    M,
+    N,
+    span,
+    fp8_max,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    SNAPSHOT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    COLSUM: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OP: tl.constexpr,
     FAST_DIV: tl.constexpr,
 ):
     # span is a multiple of the block along the program's loop and specialized (Triton then
@@ -133,9 +169,22 @@ def cast_kernel(
         sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         first = pid_m * span
         for start in range(first, tl.minimum(first + span, M), BLOCK_M):
-            x, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr,
-                                    start + tl.arange(0, BLOCK_M), cols, M, N, scale, fp8_max,
-                                    running, TRANSPOSE, OP, FAST_DIV)
+            x, running = _cast_tile(
+                x_ptr,
+                aux_ptr,
+                out_ptr,
+                out_t_ptr,
+                start + tl.arange(0, BLOCK_M),
+                cols,
+                M,
+                N,
+                scale,
+                fp8_max,
+                running,
+                TRANSPOSE,
+                OP,
+                FAST_DIV,
+            )
             sums += x
         part, in_cols = tl.sum(sums, axis=0), cols < N
         if SPLIT_ROWS:
@@ -147,8 +196,9 @@ def cast_kernel(
             if tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(0) - 1:
                 total = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 for row in range(0, tl.num_programs(0)):
-                    total += tl.load(partial_ptr + row * N + cols, mask=in_cols, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(
+                        partial_ptr + row * N + cols, mask=in_cols, other=0.0, cache_modifier=".cg"
+                    )
                 tl.store(sums_ptr + cols, total.to(sums_ptr.dtype.element_ty), mask=in_cols)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
         else:
@@ -158,9 +208,22 @@ def cast_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         first = pid_n * span
         for start in range(first, tl.minimum(first + span, N), BLOCK_N):
-            _, running = _cast_tile(x_ptr, aux_ptr, out_ptr, out_t_ptr, rows,
-                                    start + tl.arange(0, BLOCK_N), M, N, scale, fp8_max,
-                                    running, TRANSPOSE, OP, FAST_DIV)
+            _, running = _cast_tile(
+                x_ptr,
+                aux_ptr,
+                out_ptr,
+                out_t_ptr,
+                rows,
+                start + tl.arange(0, BLOCK_N),
+                M,
+                N,
+                scale,
+                fp8_max,
+                running,
+                TRANSPOSE,
+                OP,
+                FAST_DIV,
+            )
     amax = tl.max(tl.max(running, axis=1), axis=0)
     if SHIFT:
         # First record of a step: the history must shift before row 0 takes this amax, and

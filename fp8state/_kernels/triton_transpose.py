@@ -31,6 +31,5 @@ def transpose_bytes(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     out = torch.empty((cols, rows), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        _transpose_kernel[grid](raw, out, rows, cols, BLOCK_R=block, BLOCK_C=block,
-                                num_warps=8)
+        _transpose_kernel[grid](raw, out, rows, cols, BLOCK_R=block, BLOCK_C=block, num_warps=8)
     return out.view(x.dtype)

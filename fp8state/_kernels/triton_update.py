@@ -25,9 +25,22 @@ __all__ = ["update_scales_", "batched_update_scales_", "PointerTable"]
 
 
 @triton.jit
-def _new_scale(hist, scale_ptr, inv_ptr, cols, mask, n, window, fp8_max, margin,
-               MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, f32_tiny,
-               f32_max):
+def _new_scale(
+    hist,
+    scale_ptr,
+    inv_ptr,
+    cols,
+    mask,
+    n,
+    window,
+    fp8_max,
+    margin,
+    MOST_RECENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    f32_tiny,
+    f32_max,
+):
     amax = tl.load(hist + cols, mask=mask, other=0.0)
     if not MOST_RECENT:
         # ROWS rows per load: one row at a time made 1024 dependent loads (~75 us a launch).
@@ -35,8 +48,11 @@ def _new_scale(hist, scale_ptr, inv_ptr, cols, mask, n, window, fp8_max, margin,
         rows = tl.arange(0, ROWS)
         for start in range(1, window, ROWS):
             r = start + rows
-            tile = tl.load(hist + r[:, None] * n + cols[None, :],
-                           mask=(r < window)[:, None] & mask[None, :], other=0.0)
+            tile = tl.load(
+                hist + r[:, None] * n + cols[None, :],
+                mask=(r < window)[:, None] & mask[None, :],
+                other=0.0,
+            )
             amax = tl.maximum(amax, tl.max(tile, axis=0))
     prev = tl.load(scale_ptr + cols, mask=mask, other=1.0)
     scale = tl.math.div_rn(tl.full([BLOCK], fp8_max, tl.float32), amax)
@@ -51,23 +67,58 @@ def _new_scale(hist, scale_ptr, inv_ptr, cols, mask, n, window, fp8_max, margin,
     usable = (amax > 0.0) & (amax < float("inf"))
     scale = tl.where(usable, scale, prev)
     tl.store(scale_ptr + cols, scale, mask=mask)
-    tl.store(inv_ptr + cols, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), scale),
-             mask=mask)
+    tl.store(inv_ptr + cols, tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), scale), mask=mask)
 
 
 @triton.jit
-def _update_kernel(hist_ptr, scale_ptr, inv_ptr, n, window, fp8_max, margin,
-                   MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                   f32_tiny, f32_max):
+def _update_kernel(
+    hist_ptr,
+    scale_ptr,
+    inv_ptr,
+    n,
+    window,
+    fp8_max,
+    margin,
+    MOST_RECENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    f32_tiny,
+    f32_max,
+):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _new_scale(hist_ptr, scale_ptr, inv_ptr, cols, cols < n, n, window, fp8_max, margin,
-               MOST_RECENT, BLOCK, ROWS, f32_tiny, f32_max)
+    _new_scale(
+        hist_ptr,
+        scale_ptr,
+        inv_ptr,
+        cols,
+        cols < n,
+        n,
+        window,
+        fp8_max,
+        margin,
+        MOST_RECENT,
+        BLOCK,
+        ROWS,
+        f32_tiny,
+        f32_max,
+    )
 
 
 @triton.jit
-def _batched_kernel(hist_ptrs, scale_ptrs, inv_ptrs, ns, windows, fp8_max, margin,
-                    MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                    f32_tiny, f32_max):
+def _batched_kernel(
+    hist_ptrs,
+    scale_ptrs,
+    inv_ptrs,
+    ns,
+    windows,
+    fp8_max,
+    margin,
+    MOST_RECENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    f32_tiny,
+    f32_max,
+):
     pid = tl.program_id(0)
     n = tl.load(ns + pid)
     window = tl.load(windows + pid)
@@ -75,8 +126,22 @@ def _batched_kernel(hist_ptrs, scale_ptrs, inv_ptrs, ns, windows, fp8_max, margi
     scale_ptr = tl.load(scale_ptrs + pid).to(tl.pointer_type(tl.float32))
     inv_ptr = tl.load(inv_ptrs + pid).to(tl.pointer_type(tl.float32))
     cols = tl.arange(0, BLOCK)
-    _new_scale(hist, scale_ptr, inv_ptr, cols, cols < n, n, window, fp8_max, margin,
-               MOST_RECENT, BLOCK, ROWS, f32_tiny, f32_max)
+    _new_scale(
+        hist,
+        scale_ptr,
+        inv_ptr,
+        cols,
+        cols < n,
+        n,
+        window,
+        fp8_max,
+        margin,
+        MOST_RECENT,
+        BLOCK,
+        ROWS,
+        f32_tiny,
+        f32_max,
+    )
 
 
 def _rows_per_load(block: int, window: int) -> int:
@@ -107,12 +172,32 @@ def update_scales_(
     """
     n, rows = history.shape[1], history.shape[0]
     block, window, loads, margin, specs = _update_plan(n, rows, window, int(margin))
-    key = (specs, algo == "most_recent", ptr_aligned(history), ptr_aligned(scale),
-           ptr_aligned(scale_inv))
-    _UPDATE(key, (triton.cdiv(n, block),), (
-        history, scale, scale_inv, n, window, float(fp8_max), margin, algo == "most_recent",
-        block, loads, FLOAT32_TINY, FLOAT32_MAX,
-    ), history.device)
+    key = (
+        specs,
+        algo == "most_recent",
+        ptr_aligned(history),
+        ptr_aligned(scale),
+        ptr_aligned(scale_inv),
+    )
+    _UPDATE(
+        key,
+        (triton.cdiv(n, block),),
+        (
+            history,
+            scale,
+            scale_inv,
+            n,
+            window,
+            float(fp8_max),
+            margin,
+            algo == "most_recent",
+            block,
+            loads,
+            FLOAT32_TINY,
+            FLOAT32_MAX,
+        ),
+        history.device,
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,8 +207,13 @@ def _update_plan(n: int, rows: int, window: int, margin: int) -> tuple[Any, ...]
     window = min(window, rows)
     margin = min(margin, 300)
     loads = _rows_per_load(block, window)
-    return block, window, loads, margin, (block, loads, int_spec(n), int_spec(window),
-                                          int_spec(margin))
+    return (
+        block,
+        window,
+        loads,
+        margin,
+        (block, loads, int_spec(n), int_spec(window), int_spec(margin)),
+    )
 
 
 _UPDATE = FastLauncher(_update_kernel)
@@ -137,8 +227,13 @@ class PointerTable(AddressTable):
     (:meth:`still_valid`).
     """
 
-    def __init__(self, histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-                 scale_invs: Sequence[torch.Tensor], window: int) -> None:
+    def __init__(
+        self,
+        histories: Sequence[torch.Tensor],
+        scales: Sequence[torch.Tensor],
+        scale_invs: Sequence[torch.Tensor],
+        window: int,
+    ) -> None:
         super().__init__([*histories, *scales, *scale_invs])
         device = histories[0].device
         self.count = len(histories)
@@ -152,13 +247,21 @@ class PointerTable(AddressTable):
         self.windows = torch.tensor(windows, dtype=torch.int32, device=device)
 
 
-def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float,
-                           margin: int) -> None:
+def batched_update_scales_(table: PointerTable, *, algo: str, fp8_max: float, margin: int) -> None:
     """:func:`update_scales_` for every module of ``table``, in one launch."""
     # Triton launches on the current device; the tensors may live on another GPU.
     with torch.cuda.device(table.hist.device):
         _batched_kernel[(table.count,)](
-            table.hist, table.scale, table.inv, table.ns, table.windows, float(fp8_max),
-            min(int(margin), 300), MOST_RECENT=algo == "most_recent", BLOCK=table.block,
-            ROWS=table.rows, f32_tiny=FLOAT32_TINY, f32_max=FLOAT32_MAX,
+            table.hist,
+            table.scale,
+            table.inv,
+            table.ns,
+            table.windows,
+            float(fp8_max),
+            min(int(margin), 300),
+            MOST_RECENT=algo == "most_recent",
+            BLOCK=table.block,
+            ROWS=table.rows,
+            f32_tiny=FLOAT32_TINY,
+            f32_max=FLOAT32_MAX,
         )

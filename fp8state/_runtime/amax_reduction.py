@@ -46,8 +46,7 @@ class PendingSteps:
     def __init__(self) -> None:
         self.groups: dict[_Key, dict[int, FP8Friend]] = {}
 
-    def add(self, module: FP8Friend, recipe: DelayedScaling, group: ProcessGroup | None
-            ) -> None:
+    def add(self, module: FP8Friend, recipe: DelayedScaling, group: ProcessGroup | None) -> None:
         """Add ``module`` once per step."""
         # _buffers directly: nn.Module.__getattr__ is slow, and this runs per module per step.
         device = module._buffers[_FWD_SCALE].device  # type: ignore[union-attr]
@@ -79,8 +78,9 @@ def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
                 module.fp8_update_scales(direction, recipe)
 
 
-def _update_batched(direction: Direction, recipe: DelayedScaling,
-                    members: dict[int, FP8Friend]) -> None:
+def _update_batched(
+    direction: Direction, recipe: DelayedScaling, members: dict[int, FP8Friend]
+) -> None:
     """One kernel launch for every module of ``members`` (CUDA, Triton)."""
     from fp8state._kernels.triton_update import PointerTable, batched_update_scales_
 
@@ -96,12 +96,20 @@ def _update_batched(direction: Direction, recipe: DelayedScaling,
                 module.fp8_recipe = recipe  # may grow buffers: before the table is built
         key = (direction, ids, buffer_generation(), recipe)
         metas = [m.fp8_meta(direction) for m in members.values()]
-        table = PointerTable([m.amax_history for m in metas], [m.scale for m in metas],
-                             [m.scale_inv for m in metas], recipe.amax_history_len)
+        table = PointerTable(
+            [m.amax_history for m in metas],
+            [m.scale for m in metas],
+            [m.scale_inv for m in metas],
+            recipe.amax_history_len,
+        )
         _TABLES[key] = table
         while len(_TABLES) > _TABLE_CACHE_SIZE:
             _TABLES.popitem(last=False)
-    batched_update_scales_(table, algo=recipe.amax_compute_algo,
-                           fp8_max=recipe.fp8_format.max(direction), margin=recipe.margin)
+    batched_update_scales_(
+        table,
+        algo=recipe.amax_compute_algo,
+        fp8_max=recipe.fp8_format.max(direction),
+        margin=recipe.margin,
+    )
     for module in members.values():
         module._fp8_close_step(direction)

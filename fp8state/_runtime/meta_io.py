@@ -12,13 +12,53 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from fp8state._runtime.buffers import buffer_name
 from fp8state._runtime.friend import FP8Friend
 from fp8state._runtime.generation import bump_buffer_generation
-from fp8state.schema import DIRECTIONS, TENSOR_FIELDS, DirectionState, FP8State, pack, unpack
+from fp8state.errors import ConfigError
+from fp8state.schema import (
+    DIRECTIONS,
+    TENSOR_FIELDS,
+    DirectionState,
+    FP8State,
+    pack,
+    slots_per_gemm,
+    unpack,
+)
 
-__all__ = ["payload_of", "validate_for", "apply_to", "ensure_rows", "reset"]
+__all__ = ["allocate", "payload_of", "validate_for", "apply_to", "ensure_rows", "reset"]
+
+
+def allocate(
+    module: nn.Module, *, num_gemms: int, device: torch.device | str | None, history_rows: int
+) -> None:
+    """Register ``module``'s six metadata buffers: zero histories, scales 1 (non-persistent).
+
+    Raises:
+        ConfigError: for a GEMM or row count that is not an int >= 1.
+    """
+    for name, value in (("num_gemms", num_gemms), ("history_rows", history_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{type(module).__name__}.init_fp8_meta({name}=...)",
+                repr(value),
+                "an int >= 1",
+                f"Pass a positive {name}.",
+            )
+    if device is None:  # the module's own device: its first parameter or buffer, else CPU
+        first = next(iter([*module.parameters(), *module.buffers()]), None)
+        device = first.device if first is not None else torch.device("cpu")
+    for d in DIRECTIONS:
+        n = num_gemms * slots_per_gemm(d)
+        initial = {
+            "amax_history": torch.zeros(history_rows, n, dtype=torch.float32, device=device),
+            "scale": torch.ones(n, dtype=torch.float32, device=device),
+            "scale_inv": torch.ones(n, dtype=torch.float32, device=device),
+        }
+        for field, tensor in initial.items():
+            module.register_buffer(buffer_name(d, field), tensor, persistent=False)
 
 
 def payload_of(state: FP8State) -> dict[str, torch.Tensor]:
@@ -74,8 +114,10 @@ def apply_to(module: FP8Friend, state: FP8State) -> None:
         # The common case: every buffer keeps its shape and device. One call for the six
         # (on an H200 host this beat one pinned block per module: the pinned allocation and
         # the concatenation cost more than the five transfers they save).
-        torch._foreach_copy_([t for d in DIRECTIONS for t in module.fp8_meta(d)],
-                             [t for d in DIRECTIONS for t in state.direction(d)])
+        torch._foreach_copy_(
+            [t for d in DIRECTIONS for t in module.fp8_meta(d)],
+            [t for d in DIRECTIONS for t in state.direction(d)],
+        )
     else:
         _replace_buffers(module, state)
     if state.recipe != module.fp8_recipe:
@@ -150,9 +192,9 @@ def _onto(state: Any, device: torch.device) -> Any:
         return state
     target = device
     foreign = [
-        k for k, v in state.items()
-        if isinstance(v, torch.Tensor) and not v.is_cpu and not v.is_meta
-        and v.device != target
+        k
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not v.is_cpu and not v.is_meta and v.device != target
     ]
     if not foreign:
         return state

@@ -19,8 +19,11 @@ from fp8state.quantize import CAST_OPS, apply_op, finite_amax, quantize
 from fp8state.scaling import shift_history
 
 __all__ = [
-    "cast_and_record", "cast_slot", "fused_kernel_available",
-    "kernels_available", "transpose_fp8",
+    "cast_and_record",
+    "cast_slot",
+    "fused_kernel_available",
+    "kernels_available",
+    "transpose_fp8",
 ]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -35,8 +38,13 @@ def _triton_installed() -> bool:
 
 def _kernel_layout(x: torch.Tensor) -> bool:
     """Whether ``x`` is a tensor fp8state's 2-D Triton kernels take (any dtype)."""
-    return (x.is_cuda and x.dim() == 2 and x.is_contiguous()
-            and 0 < x.numel() < _KERNEL_MAX_NUMEL and _triton_installed())
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.is_contiguous()
+        and 0 < x.numel() < _KERNEL_MAX_NUMEL
+        and _triton_installed()
+    )
 
 
 def fused_kernel_available(x: torch.Tensor) -> bool:
@@ -133,11 +141,18 @@ def cast_slot(
         change it.
     """
     if op not in CAST_OPS or (op == "dgelu") != (aux is not None):
-        raise ConfigError("cast_slot(op=...)", f"{op!r} (aux given: {aux is not None})",
-                          "'identity' or 'gelu' without aux, 'dgelu' with aux",
-                          "Pass one of the supported ops (this is a bug in the caller).")
-    kernel = fused_kernel_available(x_2d) and history.is_contiguous() \
-        and scale.is_contiguous() and scale_inv.is_contiguous()
+        raise ConfigError(
+            "cast_slot(op=...)",
+            f"{op!r} (aux given: {aux is not None})",
+            "'identity' or 'gelu' without aux, 'dgelu' with aux",
+            "Pass one of the supported ops (this is a bug in the caller).",
+        )
+    kernel = (
+        fused_kernel_available(x_2d)
+        and history.is_contiguous()
+        and scale.is_contiguous()
+        and scale_inv.is_contiguous()
+    )
     # The kernel shifts in-launch, through a scratch pair per stream that a CUDA graph would
     # bake in: captured steps (and the reference path) shift with plain tensor ops instead.
     if new_step and (not kernel or torch.cuda.is_current_stream_capturing()):
@@ -146,12 +161,22 @@ def cast_slot(
     if kernel:
         from fp8state._kernels import cast_launch
 
-        return cast_launch.cast_slot(x_2d, scale, scale_inv, history, slot, fp8_dtype,
-                                     transpose=transpose, new_step=new_step,
-                                     column_sums=column_sums, op=op,
-                                     aux=None if aux is None else aux.contiguous())
+        return cast_launch.cast_slot(
+            x_2d,
+            scale,
+            scale_inv,
+            history,
+            slot,
+            fp8_dtype,
+            transpose=transpose,
+            new_step=new_step,
+            column_sums=column_sums,
+            op=op,
+            aux=None if aux is None else aux.contiguous(),
+        )
     x_2d = apply_op(x_2d, op, aux)
-    x_fp8, x_fp8_t = cast_and_record(x_2d, scale[slot : slot + 1], history[0, slot : slot + 1],
-                                     fp8_dtype, transpose=transpose)
+    x_fp8, x_fp8_t = cast_and_record(
+        x_2d, scale[slot : slot + 1], history[0, slot : slot + 1], fp8_dtype, transpose=transpose
+    )
     sums = x_2d.sum(dim=0) if column_sums else None
     return x_fp8, x_fp8_t, scale_inv[slot : slot + 1].clone(), sums

@@ -42,8 +42,9 @@ _LIVE: weakref.WeakSet[FP8Friend] = weakref.WeakSet()
 # id(module) -> (weakref to it, its metadata's device, stamp, payload). One dict for all
 # devices: staging one device must not drop another's entries (a model split over GPUs is
 # visited device after device, interleaved).
-_STAGED: dict[int, tuple[weakref.ref[FP8Friend], torch.device, tuple[object, ...],
-                         dict[str, torch.Tensor]]] = {}
+_STAGED: dict[
+    int, tuple[weakref.ref[FP8Friend], torch.device, tuple[object, ...], dict[str, torch.Tensor]]
+] = {}
 
 
 def register(module: FP8Friend) -> None:
@@ -58,15 +59,18 @@ def _buffers_of(module: FP8Friend) -> list[torch.Tensor]:
 
 
 def _stamp(module: FP8Friend, bufs: list[torch.Tensor]) -> tuple[object, ...]:
-    return (module._fp8_mutation_count(), module.fp8_recipe, *map(id, bufs),
-            *[t._version for t in bufs])
+    return (
+        module._fp8_mutation_count(),
+        module.fp8_recipe,
+        *map(id, bufs),
+        *[t._version for t in bufs],
+    )
 
 
 def take(module: FP8Friend) -> dict[str, torch.Tensor] | None:
     """``module``'s staged payload if it is still exact, else None; handed out once."""
     entry = _STAGED.pop(id(module), None)
-    if entry is None or entry[0]() is not module or entry[2] != _stamp(module,
-                                                                       _buffers_of(module)):
+    if entry is None or entry[0]() is not module or entry[2] != _stamp(module, _buffers_of(module)):
         return None
     return entry[3]
 
@@ -76,8 +80,9 @@ def take(module: FP8Friend) -> dict[str, torch.Tensor] | None:
 _TABLES: dict[torch.device, tuple[tuple[object, ...], Any]] = {}
 
 
-def _gather(device: torch.device, modules: list[FP8Friend],
-            tensors: list[torch.Tensor]) -> torch.Tensor:
+def _gather(
+    device: torch.device, modules: list[FP8Friend], tensors: list[torch.Tensor]
+) -> torch.Tensor:
     """``tensors`` (the buffers of ``modules``) flattened into one tensor in order, on CUDA."""
     from fp8state._kernels.triton_gather import GatherTable, gather
 
@@ -118,29 +123,37 @@ def _stage(device: torch.device) -> None:
     blocks = _module_blocks(device, members)
     rows: dict[object, list[int]] = {}  # most models have one recipe: build its row once
     scalars = torch.tensor(
-        [rows.get(r) or rows.setdefault(r, [SCHEMA_VERSION, *r.to_scalars().values()])
-         for r in (m.fp8_recipe for m, _ in members)],
-        dtype=torch.int64, device="cpu",  # not a `with torch.device(...)` default
+        [
+            rows.get(r) or rows.setdefault(r, [SCHEMA_VERSION, *r.to_scalars().values()])
+            for r in (m.fp8_recipe for m, _ in members)
+        ],
+        dtype=torch.int64,
+        device="cpu",  # not a `with torch.device(...)` default
     )
     # One unbind per scalar key, not five 0-d tensors per module.
     columns = [column.unbind() for column in scalars.t().contiguous()]
     # The two history shapes fix all six (scales have as many slots as history columns).
     sizes: dict[tuple[torch.Size, torch.Size], list[int]] = {}
-    for (module, bufs), block, version, *recipe in zip(members, blocks, *columns,
-                                                       strict=True):
+    for (module, bufs), block, version, *recipe in zip(members, blocks, *columns, strict=True):
         fwd_hist, bwd_hist = bufs[0].shape, bufs[3].shape
         split = sizes.get((fwd_hist, bwd_hist))
         if split is None:
             split = sizes[fwd_hist, bwd_hist] = [t.numel() for t in bufs]
         fh, fs, fi, bh, bs, bi = block.split_with_sizes(split)
         # In schema.pack's key order: the version, the six buffers, the recipe's integers.
-        payload = dict(zip(PAYLOAD_KEYS, (version, fh.view(fwd_hist), fs, fi,
-                                          bh.view(bwd_hist), bs, bi, *recipe), strict=True))
+        payload = dict(
+            zip(
+                PAYLOAD_KEYS,
+                (version, fh.view(fwd_hist), fs, fi, bh.view(bwd_hist), bs, bi, *recipe),
+                strict=True,
+            )
+        )
         _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs), payload)
 
 
-def _module_blocks(device: torch.device,
-                   members: list[tuple[FP8Friend, list[torch.Tensor]]]) -> list[torch.Tensor]:
+def _module_blocks(
+    device: torch.device, members: list[tuple[FP8Friend, list[torch.Tensor]]]
+) -> list[torch.Tensor]:
     """Per module, a new flat CPU float32 tensor with its six buffers in order."""
     if device.type == "cpu":  # one concatenation per module beats one of them all here
         return [torch.cat([t.reshape(-1) for t in bufs]) for _, bufs in members]
@@ -164,8 +177,9 @@ def _module_blocks(device: torch.device,
     return _own_storages(host.copy_(pinned), members)
 
 
-def _own_storages(host: torch.Tensor,
-                  members: list[tuple[FP8Friend, list[torch.Tensor]]]) -> list[torch.Tensor]:
+def _own_storages(
+    host: torch.Tensor, members: list[tuple[FP8Friend, list[torch.Tensor]]]
+) -> list[torch.Tensor]:
     """Per module, its part of ``host`` as a tensor on a storage of its own.
 
     A slice of an untyped storage shares the memory (keeping the whole block alive) but is a

@@ -50,8 +50,10 @@ class Opened:
 def _uint8_bytes(value: torch.Tensor) -> bytes:
     if value.dim() != 1:
         raise LegacyFormatError(
-            "", f"a uint8 tensor of shape {tuple(value.shape)}",
-            "a 1-D uint8 tensor of pickle bytes", "The checkpoint is corrupt.",
+            "",
+            f"a uint8 tensor of shape {tuple(value.shape)}",
+            "a 1-D uint8 tensor of pickle bytes",
+            "The checkpoint is corrupt.",
         )
     # tolist() is far faster than iterating a storage and needs no numpy.
     return bytes(value.detach().to("cpu").tolist())
@@ -82,7 +84,9 @@ def open_container(value: object) -> Opened:
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             raise LegacyFormatError(
-                "", "a tensor on the meta device (it holds no data)", "a tensor with data",
+                "",
+                "a tensor on the meta device (it holds no data)",
+                "a tensor with data",
                 "Load the checkpoint itself, not a state_dict() of a model built on 'meta'.",
             )
         if value.numel() == 0:
@@ -91,7 +95,8 @@ def open_container(value: object) -> Opened:
             return Opened(f"{EMPTY} ({kind})", None)
         if value.dtype != torch.uint8:
             raise LegacyFormatError(
-                "", f"a {value.dtype} tensor of shape {tuple(value.shape)}",
+                "",
+                f"a {value.dtype} tensor of shape {tuple(value.shape)}",
                 "a uint8 tensor of pickle bytes, an empty tensor, io.BytesIO, a list or a dict",
                 "This is not a TransformerEngine extra state.",
             )
@@ -104,7 +109,8 @@ def open_container(value: object) -> Opened:
     if isinstance(value, Mapping):
         return Opened(DICT, value)
     raise LegacyFormatError(
-        "", f"a {type(value).__name__}",
+        "",
+        f"a {type(value).__name__}",
         "a uint8 tensor of pickle bytes, an empty tensor, io.BytesIO, a list, a dict or None",
         "This is not a TransformerEngine extra state.",
     )

@@ -119,13 +119,16 @@ def _check_values(
             ok = torch.isfinite(t) & (t > 0)
             if not bool(ok.all()):
                 raise _err(
-                    f"{name}_{d}", f"a value of {_first_bad(t, ok)!r}", "finite values > 0",
+                    f"{name}_{d}",
+                    f"a value of {_first_bad(t, ok)!r}",
+                    "finite values > 0",
                     "The run had diverged when it was saved; use an earlier checkpoint.",
                 )
         ok = torch.isfinite(history[d]) & (history[d] >= 0)
         if not bool(ok.all()):
             raise _err(
-                f"amax_history_{d}", f"an amax of {_first_bad(history[d], ok)!r}",
+                f"amax_history_{d}",
+                f"an amax of {_first_bad(history[d], ok)!r}",
                 "finite values >= 0",
                 "The run had overflowed when it was saved; use an earlier checkpoint.",
             )
@@ -138,14 +141,13 @@ def _layout(n_fwd: int, n_bwd: int) -> tuple[bool, int]:
     if 2 * n_fwd == 3 * n_bwd:
         return False, n_fwd // 3
     raise _err(
-        "scale_bwd", f"{n_fwd} forward and {n_bwd} backward FP8 tensors",
+        "scale_bwd",
+        f"{n_fwd} forward and {n_bwd} backward FP8 tensors",
         "3 forward / 2 backward per GEMM (TE v0.6+) or 2 / 1 (TE v0.1-v0.5)",
     )
 
 
-def _tensors(
-    code: str, items: dict[str, Any], efv: Mapping[str, Any], **extra: Any
-) -> TEState:
+def _tensors(code: str, items: dict[str, Any], efv: Mapping[str, Any], **extra: Any) -> TEState:
     """Validate the four (or six) tensors of a value and build its :class:`TEState`."""
     sf = _tensor(items["scale_fwd"], "scale_fwd", 1)
     sb = _tensor(items["scale_bwd"], "scale_bwd", 1)
@@ -154,8 +156,9 @@ def _tensors(
     for hist, s, d in ((hf, sf, "fwd"), (hb, sb, "bwd")):
         if s.numel() == 0 or hist.shape[0] == 0 or hist.shape[1] != s.shape[0]:
             raise _err(
-                f"amax_history_{d}", f"shape {tuple(hist.shape)} beside scale_{d} "
-                f"{tuple(s.shape)}", f"(L >= 1, {s.shape[0]}) with at least one tensor",
+                f"amax_history_{d}",
+                f"shape {tuple(hist.shape)} beside scale_{d} {tuple(s.shape)}",
+                f"(L >= 1, {s.shape[0]}) with at least one tensor",
             )
     if hf.shape[0] != hb.shape[0]:
         raise _err("amax_history_bwd", f"{hb.shape[0]} rows", f"{hf.shape[0]} rows like fwd")
@@ -176,7 +179,8 @@ def _tensors(
     the_era = era(code)
     if old != the_era.old_slot_layout:
         raise _err(
-            "scale_fwd", f"{sf.shape[0]} forward / {sb.shape[0]} backward FP8 tensors",
+            "scale_fwd",
+            f"{sf.shape[0]} forward / {sb.shape[0]} backward FP8 tensors",
             f"{the_era.fwd_per_gemm} / {the_era.bwd_per_gemm} per GEMM, as TE "
             f"{the_era.te_tags} ({code}) stores them",
         )
@@ -184,9 +188,14 @@ def _tensors(
     _check_values(scale, inv, history)
     maxima = (efv.get("fp8_max_fwd"), efv.get("fp8_max_bwd"))
     return TEState(
-        era=the_era, scale=scale, scale_inv=inv, amax_history=history, num_gemms=gemms,
+        era=the_era,
+        scale=scale,
+        scale_inv=inv,
+        amax_history=history,
+        num_gemms=gemms,
         te_num_gemms=_int_or_none(efv, "num_gemms"),
-        fp8_max=None if maxima == (None, None) else maxima, **extra,
+        fp8_max=None if maxima == (None, None) else maxima,
+        **extra,
     )
 
 
@@ -210,8 +219,11 @@ def _decode_recipe_dict(obj: Mapping[str, Any], efv: Mapping[str, Any]) -> TESta
     present = [k for k in _TENSOR_KEYS if k in obj]
     if isinstance(recipe, standins.DELAYED_SCALING) or present:
         if not isinstance(recipe, standins.DELAYED_SCALING):
-            raise _err("recipe", f"a {recipe.te_name} recipe beside FP8 scaling tensors",
-                       "DelayedScaling, the only recipe TE stores tensors for")
+            raise _err(
+                "recipe",
+                f"a {recipe.te_name} recipe beside FP8 scaling tensors",
+                "DelayedScaling, the only recipe TE stores tensors for",
+            )
         missing = [k for k in _TENSOR_KEYS if k not in obj]
         if missing:
             raise _err(missing[0], "no such key", "the four delayed-scaling tensors")
@@ -231,7 +243,8 @@ def _decode_dict(container: str, obj: Mapping[Any, Any]) -> TEState | NoFP8State
         if all(v is None or (isinstance(v, Mapping) and not v) for v in obj.values()):
             return NoFP8State("ops", "ops-based module (te.ops / LayerNorm / RMSNorm), no state")
         raise _err(
-            "", f"an ops-based (te.ops / te.Sequential) state with keys {sorted(keys)}",
+            "",
+            f"an ops-based (te.ops / te.Sequential) state with keys {sorted(keys)}",
             "a module-based TE extra state (Linear, LayerNormLinear, LayerNormMLP, attention)",
             "FP8 state of te.ops operations is not supported; see docs/migration.md.",
         )
@@ -243,13 +256,17 @@ def _decode_dict(container: str, obj: Mapping[Any, Any]) -> TEState | NoFP8State
     missing = [k for k in _TENSOR_KEYS if k not in keys]
     if missing:
         raise _err(
-            missing[0], f"a dict with keys {sorted(keys)[:8]}",
+            missing[0],
+            f"a dict with keys {sorted(keys)[:8]}",
             "a TE extra state (scale_fwd, amax_history_fwd, ...) or an fp8state payload "
             "(with schema_version)",
             "This is neither a TransformerEngine nor an fp8state extra state.",
         )
-    dropped = tuple(k for k in ("global_fp8_buffer", "global_fp8_recompute_buffer",
-                                "global_fp8_state") if k in keys)
+    dropped = tuple(
+        k
+        for k in ("global_fp8_buffer", "global_fp8_recompute_buffer", "global_fp8_state")
+        if k in keys
+    )
     return _tensors(era_of_dict(container, keys), dict(obj), efv, dropped=dropped)
 
 
@@ -279,5 +296,8 @@ def decode_opened(opened: containers.Opened) -> TEState | NoFP8State:
         return _decode_list(obj)
     if isinstance(obj, Mapping):
         return _decode_dict(opened.container, obj)
-    raise _err("", f"{opened.container} holding a {type(obj).__name__}",
-               "a dict of TE's FP8 metadata, or None")
+    raise _err(
+        "",
+        f"{opened.container} holding a {type(obj).__name__}",
+        "a dict of TE's FP8 metadata, or None",
+    )

@@ -54,14 +54,28 @@ ERAS: dict[str, Era] = {
         Era("E02", "v0.3-v0.4", "Python dict (with recompute buffer)", *_OLD, update_at_end=False),
         Era("E03", "v0.5", "Python dict", *_OLD, update_at_end=False),
         Era("E04", "v0.6-v0.7", "uint8 tensor of pickle bytes", *_NEW, update_at_end=False),
-        Era("E05", "v0.8-v0.11", "uint8 tensor of pickle bytes, scale_inv", *_NEW,
-            update_at_end=False),
-        Era("E06", "v0.12-v1.5", "io.BytesIO of a torch.save archive, global state", *_NEW,
-            update_at_end=False),
-        Era("E07", "v1.6-v1.13", "io.BytesIO of a torch.save archive", *_NEW,
-            update_at_end=True),
-        Era("E08-E10", "v2.0-v2.20", "uint8 tensor of pickle bytes with a recipe object", *_NEW,
-            update_at_end=True),
+        Era(
+            "E05",
+            "v0.8-v0.11",
+            "uint8 tensor of pickle bytes, scale_inv",
+            *_NEW,
+            update_at_end=False,
+        ),
+        Era(
+            "E06",
+            "v0.12-v1.5",
+            "io.BytesIO of a torch.save archive, global state",
+            *_NEW,
+            update_at_end=False,
+        ),
+        Era("E07", "v1.6-v1.13", "io.BytesIO of a torch.save archive", *_NEW, update_at_end=True),
+        Era(
+            "E08-E10",
+            "v2.0-v2.20",
+            "uint8 tensor of pickle bytes with a recipe object",
+            *_NEW,
+            update_at_end=True,
+        ),
     )
 }
 

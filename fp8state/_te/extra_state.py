@@ -90,11 +90,13 @@ def decode_te_value(value: object, *, num_gemms: int | None = None) -> DecodedEx
     state = decode_opened(opened)
     if isinstance(state, NoFP8State):
         if (
-            num_gemms is not None and state.te_num_gemms is not None
+            num_gemms is not None
+            and state.te_num_gemms is not None
             and state.te_num_gemms != num_gemms
         ):
             raise LegacyFormatError(
-                "['extra_fp8_variables'].num_gemms", f"num_gemms {state.te_num_gemms}",
+                "['extra_fp8_variables'].num_gemms",
+                f"num_gemms {state.te_num_gemms}",
                 f"{num_gemms}, the module's GEMM count",
                 "Load the entry into the module type that saved it.",
             )
@@ -106,8 +108,16 @@ def decode_te_value(value: object, *, num_gemms: int | None = None) -> DecodedEx
     if state.dropped:
         notes += (f"dropped TE-only entries: {', '.join(state.dropped)}",)
     return DecodedExtraState(
-        converted.payload, state.era.code, opened.container, state.num_gemms, state.rows,
-        converted.recipe, converted.recipe_source, converted.defaulted, notes, opened.locations,
+        converted.payload,
+        state.era.code,
+        opened.container,
+        state.num_gemms,
+        state.rows,
+        converted.recipe,
+        converted.recipe_source,
+        converted.defaulted,
+        notes,
+        opened.locations,
         (int(state.scale["fwd"].numel()), int(state.scale["bwd"].numel())),
     )
 

@@ -94,8 +94,10 @@ class TEObject:
                 state = merged
         if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
             raise LegacyFormatError(
-                "['recipe']", f"{self.te_name} state of type {type(state).__name__}",
-                "a dict of the recipe's fields", "The checkpoint is corrupt.",
+                "['recipe']",
+                f"{self.te_name} state of type {type(state).__name__}",
+                "a dict of the recipe's fields",
+                "The checkpoint is corrupt.",
             )
         self.fields.update(state)
 

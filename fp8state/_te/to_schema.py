@@ -90,7 +90,9 @@ def _direction(st: TEState, d: Direction) -> DirectionState:
 
 def _bad_recipe(field: str, found: object, expected: str) -> LegacyFormatError:
     return LegacyFormatError(
-        f"['recipe'].{field}", repr(found), expected,
+        f"['recipe'].{field}",
+        repr(found),
+        expected,
         "fp8state supports DelayedScaling with E4M3 or HYBRID; convert with another recipe.",
     )
 
@@ -124,7 +126,8 @@ def _from_maxima(st: TEState) -> tuple[dict[str, Any], list[str]]:
     maxima: tuple[Any, ...] = tuple(st.fp8_max)
     if maxima not in _MAXIMA:
         raise LegacyFormatError(
-            "['extra_fp8_variables'].fp8_max_bwd", f"fp8 maxima {maxima} (fwd, bwd)",
+            "['extra_fp8_variables'].fp8_max_bwd",
+            f"fp8 maxima {maxima} (fwd, bwd)",
             "(448, 57344) for HYBRID or (448, 448) for E4M3",
             "fp8state supports E4M3 and HYBRID only.",
         )
@@ -165,13 +168,15 @@ def convert(st: TEState, *, num_gemms: int | None = None) -> Converted:
     """
     if st.te_num_gemms is not None and st.te_num_gemms != st.num_gemms:
         raise LegacyFormatError(
-            "['extra_fp8_variables'].num_gemms", f"num_gemms {st.te_num_gemms} stored by TE",
+            "['extra_fp8_variables'].num_gemms",
+            f"num_gemms {st.te_num_gemms} stored by TE",
             f"{st.num_gemms}, the GEMM count of the stored tensor shapes",
             "The checkpoint is corrupt.",
         )
     if num_gemms is not None and num_gemms != st.num_gemms:
         raise LegacyFormatError(
-            "", f"FP8 metadata for {st.num_gemms} GEMM(s)",
+            "",
+            f"FP8 metadata for {st.num_gemms} GEMM(s)",
             f"{num_gemms} GEMM(s), the module's count",
             "Load the entry into the module type that saved it (Linear/LayerNormLinear 1, "
             "LayerNormMLP 2).",

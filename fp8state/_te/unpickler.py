@@ -50,7 +50,8 @@ def _latin1_encode(obj: object, encoding: object = "utf-8") -> bytes:
     """``_codecs.encode`` restricted to what protocol-2 pickles use it for: bytes as latin-1."""
     if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
         raise LegacyFormatError(
-            "", f"_codecs.encode({type(obj).__name__}, {encoding!r})",
+            "",
+            f"_codecs.encode({type(obj).__name__}, {encoding!r})",
             "_codecs.encode(str, 'latin1'), how protocol-2 pickles store bytes",
             "The checkpoint is corrupt or was not written by torch.save/pickle.",
         )
@@ -69,7 +70,8 @@ def _without_hooks(rebuild: Callable[..., Any], hooks_at: int | None) -> Callabl
     def checked(*args: Any) -> Any:
         if len(args) > hooks_at and args[hooks_at]:
             raise LegacyFormatError(
-                "", f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
+                "",
+                f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
                 "no hooks (torch.save never writes them)",
                 "The checkpoint was crafted; nothing was executed.",
             )
@@ -88,8 +90,11 @@ def _torch_allowed() -> dict[tuple[str, str], Any]:
     }
     # Position of `backward_hooks` in each rebuild function's arguments.
     for name, hooks_at in (
-        ("_rebuild_tensor", None), ("_rebuild_tensor_v2", 5), ("_rebuild_tensor_v3", 5),
-        ("_rebuild_parameter", 2), ("_rebuild_parameter_with_state", 2),
+        ("_rebuild_tensor", None),
+        ("_rebuild_tensor_v2", 5),
+        ("_rebuild_tensor_v3", 5),
+        ("_rebuild_parameter", 2),
+        ("_rebuild_parameter_with_state", 2),
     ):
         allowed[("torch._utils", name)] = _without_hooks(getattr(torch._utils, name), hooks_at)
     for name in dir(torch):
@@ -121,8 +126,10 @@ def _setstate_checked(inst: object, state: object) -> None:
         # BytesIO.__reduce__ state: (bytes, position, __dict__ or None). The dict is empty once
         # anything looked an attribute up (DCP does before it saves one); nothing else is set.
         ok = (
-            isinstance(state, tuple) and len(state) == 3
-            and isinstance(state[0], (bytes, bytearray)) and isinstance(state[1], int)
+            isinstance(state, tuple)
+            and len(state) == 3
+            and isinstance(state[0], (bytes, bytearray))
+            and isinstance(state[1], int)
             and (state[2] is None or (type(state[2]) is dict and not state[2]))
         )
         if ok:
@@ -139,7 +146,8 @@ def _setstate_checked(inst: object, state: object) -> None:
             inst.__dict__.update(state)
             return
     raise LegacyFormatError(
-        "", f"a pickle setting the state of a {type(inst).__name__} object",
+        "",
+        f"a pickle setting the state of a {type(inst).__name__} object",
         "state only for io.BytesIO, OrderedDict and TE recipe objects",
         "The checkpoint is corrupt or was crafted; nothing was executed.",
     )
@@ -183,7 +191,8 @@ class Unpickler(_PyUnpickler):
         # Names come from the file: escape control characters so the message stays one line.
         shown = _clip(ascii(f"{module}.{name}")[1:-1], 120)
         raise UnsafeCheckpointError(
-            "", f"a pickled reference to {shown}"
+            "",
+            f"a pickled reference to {shown}"
             + (" (a TransformerEngine class fp8state does not know)" if te else ""),
             "only torch tensor/storage rebuild functions, plain containers and TE recipe classes",
             _UNSAFE_FIX,
@@ -202,7 +211,9 @@ def _clip(text: str, limit: int = 160) -> str:
 
 def _undecodable(what: str, err: BaseException, expected: str) -> LegacyFormatError:
     return LegacyFormatError(
-        "", f"{what} that cannot be decoded ({type(err).__name__}: {_clip(str(err))})", expected,
+        "",
+        f"{what} that cannot be decoded ({type(err).__name__}: {_clip(str(err))})",
+        expected,
         "The file is truncated or corrupt; re-copy it, or use another checkpoint.",
     )
 
@@ -277,20 +288,25 @@ def load_storage_blob(blob: object) -> Any:
     """
     if not isinstance(blob, (bytes, bytearray)):
         raise LegacyFormatError(
-            "", f"a storage blob of type {type(blob).__name__}", "bytes of a torch.save storage",
+            "",
+            f"a storage blob of type {type(blob).__name__}",
+            "bytes of a torch.save storage",
             "The checkpoint is corrupt or was crafted; nothing was executed.",
         )
     try:
         storage = torch.load(io.BytesIO(blob), weights_only=True, map_location=_keep_on_cpu)
     except Exception as err:
-        refused = _name_refused_global(bytes(blob)) if isinstance(
-            err, pickle.UnpicklingError) else None
+        refused = (
+            _name_refused_global(bytes(blob)) if isinstance(err, pickle.UnpicklingError) else None
+        )
         if refused is not None:
             raise refused from None
         raise _undecodable("a nested storage blob", err, "a torch.save storage") from None
     if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
         raise LegacyFormatError(
-            "", f"a nested blob holding a {type(storage).__name__}", "a tensor storage",
+            "",
+            f"a nested blob holding a {type(storage).__name__}",
+            "a tensor storage",
             "The checkpoint is corrupt or was crafted.",
         )
     return storage
@@ -320,15 +336,19 @@ def safe_torch_load(
         # weights_only=False is required with a pickle_module; the allow-list above is what
         # keeps this load safe, and mmap=False keeps the result independent of the file.
         return torch.load(
-            file, map_location=restore, pickle_module=sys.modules[__name__],
-            weights_only=False, mmap=False,
+            file,
+            map_location=restore,
+            pickle_module=sys.modules[__name__],
+            weights_only=False,
+            mmap=False,
         )
     except (FP8StateError, FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as err:
         if "explicit pickle_module" in str(err):
             raise UnsafeCheckpointError(
-                "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "the variable set",
+                "TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+                "the variable set",
                 "it unset while fp8state reads a TE checkpoint",
                 "Unset it for this command: fp8state reads TE pickles through its own allow-list, "
                 "which is at least as strict as weights_only.",

@@ -18,7 +18,8 @@ def unreadable_metadata(path: str | os.PathLike[str], err: BaseException) -> Che
     return CheckpointError(
         os.path.join(os.fspath(path), METADATA_FILE),
         f"an unreadable metadata file ({type(err).__name__}: {err})",
-        "the metadata dcp.save wrote", "The checkpoint is incomplete or corrupt.",
+        "the metadata dcp.save wrote",
+        "The checkpoint is incomplete or corrupt.",
     )
 
 
@@ -36,7 +37,8 @@ def unreadable_items(path: str | os.PathLike[str], err: BaseException) -> Checkp
     """The error for a failed DCP read, naming the cause (see :func:`dcp_failure`)."""
     err = dcp_failure(err)
     return CheckpointError(
-        os.fspath(path), f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
+        os.fspath(path),
+        f"a checkpoint DCP could not read ({type(err).__name__}: {err})",
         "a complete DCP checkpoint",
         "A shard file (*.distcp) is missing or damaged; copy the whole folder again.",
     )

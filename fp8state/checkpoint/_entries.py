@@ -58,8 +58,8 @@ def _is_wrapper_segment(parent: nn.Module, segment: str) -> bool:
         return True
     optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     optimized_cls = getattr(optimized, "OptimizedModule", None)
-    return segment == "_orig_mod" and optimized_cls is not None and isinstance(
-        parent, optimized_cls
+    return (
+        segment == "_orig_mod" and optimized_cls is not None and isinstance(parent, optimized_cls)
     )
 
 
@@ -71,8 +71,8 @@ def walk_modules(
     for name, child in module._modules.items():
         if child is None:
             continue
-        child_canonical = canonical if _is_wrapper_segment(module, name) else (
-            f"{canonical}{name}."
+        child_canonical = (
+            canonical if _is_wrapper_segment(module, name) else (f"{canonical}{name}.")
         )
         yield from walk_modules(child, f"{prefix}{name}.", child_canonical)
 
@@ -93,10 +93,15 @@ def model_entries(model: nn.Module) -> list[Entry]:
             if buf is not None and name not in module._non_persistent_buffers_set:
                 entries.append(Entry(prefix + name, canonical + name, "buffer", module, name))
         if _has_extra_state(module):
-            entries.append(Entry(
-                prefix + EXTRA_STATE_KEY, canonical + EXTRA_STATE_KEY, "extra", module,
-                EXTRA_STATE_KEY,
-            ))
+            entries.append(
+                Entry(
+                    prefix + EXTRA_STATE_KEY,
+                    canonical + EXTRA_STATE_KEY,
+                    "extra",
+                    module,
+                    EXTRA_STATE_KEY,
+                )
+            )
     return entries
 
 

@@ -32,7 +32,7 @@ def _norm_name(module_name: str, record: FusedFrom, key: str) -> str:
     if (not module_name or linear.endswith("." + module_name)) and record.norm.startswith(
         stripped
     ):  # a submodule of the converted model
-        return record.norm[len(stripped):]
+        return record.norm[len(stripped) :]
     raise CheckpointError(
         key,
         f"a LayerNormLinear at {module_name!r} that convert_model fused from the norm "
@@ -66,7 +66,8 @@ def plain_keys(entries: list[Entry]) -> dict[str, str]:
         plain = _plain_key(entry)
         if plain in owner:
             raise CheckpointError(
-                entry.key, f"the plain name {plain!r}, which {owner[plain]!r} has too",
+                entry.key,
+                f"the plain name {plain!r}, which {owner[plain]!r} has too",
                 "one model key per plain name",
                 "A module now sits where convert_model put an nn.Identity for a fused norm; "
                 f"delete the fused module's {FUSED_FROM_ATTR} attribute to keep "

@@ -33,13 +33,16 @@ def missing_key(key: str) -> CheckpointError:
         "there."
     )
     return CheckpointError(
-        key, "no such key in the state dict", "a value for every key of the model (strict=True)",
+        key,
+        "no such key in the state dict",
+        "a value for every key of the model (strict=True)",
         fix,
     )
 
 
-def missing_fp8_metadata(key: str, where: str = "state dict",
-                         reader: str | None = None) -> CheckpointError:
+def missing_fp8_metadata(
+    key: str, where: str = "state dict", reader: str | None = None
+) -> CheckpointError:
     """One FP8 module's ``_extra_state`` missing from a checkpoint.
 
     Args:
@@ -50,7 +53,8 @@ def missing_fp8_metadata(key: str, where: str = "state dict",
     """
     read = "" if reader is None else f" once read with {reader}"
     return CheckpointError(
-        key, f"no FP8 metadata for this module in the {where}",
+        key,
+        f"no FP8 metadata for this module in the {where}",
         "an _extra_state for every FP8 module of the model",
         "The checkpoint was saved from a model built differently, or was edited. Load a "
         "complete checkpoint of this model; a checkpoint with no FP8 metadata at all loads "

@@ -53,8 +53,12 @@ def _identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     if tensor.device.type == "meta":
         return None
     return (
-        tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-        tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
     )
 
 

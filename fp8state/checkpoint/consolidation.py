@@ -95,7 +95,9 @@ def consolidate(
     out = os.fspath(out_path)
     if os.path.exists(out) and not overwrite:
         raise CheckpointError(
-            out, "an existing file", "a path that does not exist yet",
+            out,
+            "an existing file",
+            "a path that does not exist yet",
             "Choose another output path, or pass overwrite=True to replace it.",
         )
     state = load_dcp_state_dict(dcp_dir)
@@ -111,7 +113,9 @@ def consolidate(
             problems.append(err.under(key))
     if problems:
         raise StateDictError(
-            keys_of(problems), summarize(problems), "valid fp8state extra states",
+            keys_of(problems),
+            summarize(problems),
+            "valid fp8state extra states",
             "Nothing was written. The checkpoint is damaged; consolidate an earlier one.",
             problems,
         )
@@ -127,14 +131,17 @@ def consolidate(
         except pickle.UnpicklingError as err:
             what = refused_global(err) or str(err).splitlines()[0]
             raise CheckpointError(
-                os.fspath(dcp_dir), f"items torch.load(weights_only=True) refuses ({what})",
+                os.fspath(dcp_dir),
+                f"items torch.load(weights_only=True) refuses ({what})",
                 "tensors and plain containers only",
                 "Nothing was written. The checkpoint holds pickled Python objects besides the "
                 "model (e.g. a custom optimizer state); save those separately.",
             ) from err
         if len(_tensors(back)) != len(tensors):
             raise CheckpointError(
-                out, f"{len(_tensors(back))} tensors read back", f"{len(tensors)} tensors",
+                out,
+                f"{len(_tensors(back))} tensors read back",
+                f"{len(tensors)} tensors",
                 "The disk may be full or failing; check it and run consolidate again.",
             )
         del back

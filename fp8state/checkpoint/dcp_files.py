@@ -24,6 +24,7 @@ from fp8state.errors import CheckpointError
 
 __all__ = ["DCPEntry", "is_dcp_checkpoint", "read_dcp_metadata", "load_dcp_state_dict"]
 
+
 @dataclass(frozen=True)
 class DCPEntry:
     """One stored item of a DCP checkpoint, as its metadata describes it (no data read).
@@ -66,8 +67,7 @@ def _require_dcp(path: str | os.PathLike[str]) -> None:
             os.fspath(path),
             "a file" if os.path.isfile(path) else f"a folder without {METADATA_FILE}",
             "a torch.distributed.checkpoint folder",
-            "Pass the folder dcp.save wrote; read a torch.save file with "
-            "fp8state.checkpoint.load.",
+            "Pass the folder dcp.save wrote; read a torch.save file with fp8state.checkpoint.load.",
         )
 
 
@@ -107,12 +107,14 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
     entries = []
     for key, item in md.state_dict_metadata.items():
         tensor = item if isinstance(item, TensorStorageMetadata) else None
-        entries.append(DCPEntry(
-            key=key,
-            path=tuple(planner_data.get(key, (key,))),
-            shape=tuple(tensor.size) if tensor is not None else None,
-            dtype=tensor.properties.dtype if tensor is not None else None,
-        ))
+        entries.append(
+            DCPEntry(
+                key=key,
+                path=tuple(planner_data.get(key, (key,))),
+                shape=tuple(tensor.size) if tensor is not None else None,
+                dtype=tensor.properties.dtype if tensor is not None else None,
+            )
+        )
     return sorted(entries, key=lambda e: e.key)
 
 
@@ -173,8 +175,10 @@ def _load_with_empty_planner(path: str | os.PathLike[str], keys: set[str] | None
     state: dict[str, Any] = {}
     try:
         _load_state_dict(
-            state, storage_reader=dcp.FileSystemReader(os.fspath(path)),
-            planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True,
+            state,
+            storage_reader=dcp.FileSystemReader(os.fspath(path)),
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+            no_dist=True,
         )
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         raise unreadable_items(path, err) from err

@@ -48,8 +48,14 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     """What ``.metadata`` may name: classes and look-ups that run no code from the file."""
     allowed: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size}
     for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
     ):
         allowed[(dcp_metadata.__name__, name)] = getattr(dcp_metadata, name)
     # Private names of torch's: a release without them writes no pickle that names them.
@@ -85,7 +91,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None:
             shown = ascii(f"{module}.{name}")[1:-1][:120]  # one line, whatever the file holds
             raise UnsafeCheckpointError(
-                self._key, f"a pickled reference to {shown}",
+                self._key,
+                f"a pickled reference to {shown}",
                 "only torch.distributed.checkpoint's metadata classes, sizes, dtypes and paths",
                 _FIX,
             )
@@ -103,7 +110,9 @@ def _read_metadata(path: str) -> Metadata:
         raise unreadable_metadata(path, err) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
-            key, f"a pickled {type(metadata).__name__}", "DCP's Metadata object",
+            key,
+            f"a pickled {type(metadata).__name__}",
+            "DCP's Metadata object",
             "The checkpoint is corrupt, or the folder was not written by dcp.save.",
         )
     return metadata
@@ -138,7 +147,9 @@ class _AllowListPlanner(DefaultLoadPlanner):
             raise UnsafeCheckpointError(key, err.found, err.expected, _FIX) from None
         except FP8StateError as err:  # undecodable bytes, as DCP's reader would fail on them
             raise CheckpointError(
-                key, err.found, "an item as dcp.save wrote it",
+                key,
+                err.found,
+                "an item as dcp.save wrote it",
                 "A shard file (*.distcp) is damaged; copy the whole folder again.",
             ) from None
 
@@ -172,7 +183,8 @@ def _bad_paths(source: str, err: Exception) -> CheckpointError:
     return CheckpointError(
         os.path.join(source, METADATA_FILE),
         f"item paths that do not nest ({type(err).__name__}: {err})"[:300],
-        "the paths dcp.save recorded", "The checkpoint is corrupt or was crafted.",
+        "the paths dcp.save recorded",
+        "The checkpoint is corrupt or was crafted.",
     )
 
 
@@ -184,8 +196,10 @@ def _item_paths(metadata: Metadata, source: str) -> dict[str, tuple[str | int, .
     for key in metadata.state_dict_metadata:
         item_path = planner_data.get(key, (key,))
         # A list index is below the item count: DCP stores every element of a list.
-        ok = isinstance(item_path, (tuple, list)) and len(item_path) > 0 and all(
-            isinstance(p, str) or (type(p) is int and 0 <= p < count) for p in item_path
+        ok = (
+            isinstance(item_path, (tuple, list))
+            and len(item_path) > 0
+            and all(isinstance(p, str) or (type(p) is int and 0 <= p < count) for p in item_path)
         )
         if not ok:
             raise _bad_paths(source, ValueError(f"{key!r} -> {item_path!r}"))
@@ -230,8 +244,12 @@ def load_untrusted_dcp_state_dict(
         with warnings.catch_warnings():
             # DCP warns it "assumes a single process" even when told so with no_dist=True.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(flat, storage_reader=_AllowListReader(source),
-                     planner=_AllowListPlanner(source), no_dist=True)
+            dcp.load(
+                flat,
+                storage_reader=_AllowListReader(source),
+                planner=_AllowListPlanner(source),
+                no_dist=True,
+            )
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         cause = dcp_failure(err)
         if isinstance(cause, FP8StateError):  # raised by the allow-lists above

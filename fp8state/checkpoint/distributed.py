@@ -58,7 +58,8 @@ def _dcp_call(where: str, action: str) -> Iterator[None]:
             # error it wraps (its own text is a traceback per rank).
             cause = dcp_failure(err)
             raise CheckpointError(
-                where, f"DCP failed to {action} ({type(cause).__name__}: {cause})",
+                where,
+                f"DCP failed to {action} ({type(cause).__name__}: {cause})",
                 f"DCP to {action} the checkpoint",
                 "Check the folder is complete and readable (or writable) on every rank.",
             ) from err
@@ -119,8 +120,11 @@ def dcp_save(
     state = sd if key is None else {key: sd}
     with _dcp_call(os.fspath(checkpoint_id), "write"):
         return dcp.save(
-            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-            process_group=process_group, no_dist=not _distributed(),
+            state,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            process_group=process_group,
+            no_dist=not _distributed(),
         )
 
 
@@ -145,7 +149,7 @@ def _stored(md: Metadata, key: str | None) -> dict[str, dict[tuple, Any]]:
         if key is not None and (not path or path[0] != key):
             continue
         if len(path) > depth:
-            stored.setdefault(str(path[depth]), {})[path[depth + 1:]] = item
+            stored.setdefault(str(path[depth]), {})[path[depth + 1 :]] = item
     return stored
 
 
@@ -155,13 +159,20 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
     for name, value in sd.items():
         items = stored.get(name)
         if items is None and is_fp8_payload(value):
-            plan.missing.append(missing_fp8_metadata(
-                name, "checkpoint", reader="fp8state.checkpoint.load_dcp_state_dict"))
+            plan.missing.append(
+                missing_fp8_metadata(
+                    name, "checkpoint", reader="fp8state.checkpoint.load_dcp_state_dict"
+                )
+            )
         elif items is None:
-            plan.missing.append(CheckpointError(
-                name, "no such key in the checkpoint", "every key of the model (strict=True)",
-                "Load a checkpoint of this model, or pass strict=False.",
-            ))
+            plan.missing.append(
+                CheckpointError(
+                    name,
+                    "no such key in the checkpoint",
+                    "every key of the model (strict=True)",
+                    "Load a checkpoint of this model, or pass strict=False.",
+                )
+            )
         elif is_fp8_payload(value):
             # Shaped like the checkpoint's payload, not the fresh model's: a history saved
             # with other row counts (or an older schema) loads, and the module adapts it.
@@ -173,16 +184,23 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
         elif isinstance(value, torch.Tensor):
             item = items.get(())
             if not isinstance(item, TensorStorageMetadata):
-                plan.mismatched.append(CheckpointError(
-                    name, "a non-tensor item in the checkpoint", "a tensor",
-                    "The checkpoint was saved from another model.",
-                ))
+                plan.mismatched.append(
+                    CheckpointError(
+                        name,
+                        "a non-tensor item in the checkpoint",
+                        "a tensor",
+                        "The checkpoint was saved from another model.",
+                    )
+                )
             elif tuple(item.size) != tuple(value.shape):
-                plan.mismatched.append(CheckpointError(
-                    name, f"shape {tuple(item.size)} in the checkpoint",
-                    f"shape {tuple(value.shape)} (the model's)",
-                    "Build the model with the configuration that saved the checkpoint.",
-                ))
+                plan.mismatched.append(
+                    CheckpointError(
+                        name,
+                        f"shape {tuple(item.size)} in the checkpoint",
+                        f"shape {tuple(value.shape)} (the model's)",
+                        "Build the model with the configuration that saved the checkpoint.",
+                    )
+                )
             else:
                 plan.rest[name] = value
         else:
@@ -193,9 +211,11 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
 def _raise_if(problems: list[FP8StateError], model: nn.Module, what: str) -> None:
     if problems:
         raise StateDictError(
-            keys_of(problems), summarize(problems),
+            keys_of(problems),
+            summarize(problems),
             f"a checkpoint whose {what} fit {type(model).__name__}",
-            "Nothing was loaded; the model is unchanged.", problems,
+            "Nothing was loaded; the model is unchanged.",
+            problems,
         )
 
 
@@ -265,8 +285,12 @@ def dcp_load(
     def read(part: dict[str, Any]) -> None:
         if part:
             with _dcp_call(where, "read"):
-                dcp.load(part if key is None else {key: part}, storage_reader=reader,
-                         process_group=process_group, no_dist=not _distributed())
+                dcp.load(
+                    part if key is None else {key: part},
+                    storage_reader=reader,
+                    process_group=process_group,
+                    no_dist=not _distributed(),
+                )
 
     read(plan.extra)
     _, problems = validate_state_dict(model, plan.extra, strict=False)

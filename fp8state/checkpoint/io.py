@@ -68,17 +68,21 @@ def _unpickling_error(where: str, err: pickle.UnpicklingError) -> Exception:
     name = refused_global(err)
     if name is None:
         return CheckpointError(
-            where, f"a file the weights-only unpickler cannot read ({str(err).splitlines()[0]})",
+            where,
+            f"a file the weights-only unpickler cannot read ({str(err).splitlines()[0]})",
             "a torch.save file of tensors and plain containers",
             "The file is corrupt or was not written by torch.save.",
         )
     if name in ("_io.BytesIO", "io.BytesIO"):
         return LegacyFormatError(
-            where, "io.BytesIO extra states (a TransformerEngine 0.12-1.13 checkpoint)",
-            "an fp8state checkpoint (tensors only)", _MIGRATE_FIX,
+            where,
+            "io.BytesIO extra states (a TransformerEngine 0.12-1.13 checkpoint)",
+            "an fp8state checkpoint (tensors only)",
+            _MIGRATE_FIX,
         )
     return UnsafeCheckpointError(
-        where, f"a pickled reference to the Python global {name}",
+        where,
+        f"a pickled reference to the Python global {name}",
         "tensors and plain containers only (fp8state never pickles objects)",
         "Nothing was executed. If this is a TransformerEngine checkpoint, convert it with "
         "`fp8state migrate IN OUT`; otherwise only torch.load(weights_only=False) reads it, "
@@ -123,7 +127,9 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") ->
 
         if is_dcp_checkpoint(path):
             raise CheckpointError(
-                where, "a torch.distributed.checkpoint (DCP) folder", "a torch.save file",
+                where,
+                "a torch.distributed.checkpoint (DCP) folder",
+                "a torch.save file",
                 "Load it into a model with fp8state.checkpoint.dcp_load(model, path), read it "
                 "with fp8state.checkpoint.load_dcp_state_dict(path), or convert it with "
                 "`fp8state consolidate DIR OUT`.",
@@ -144,8 +150,9 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") ->
             fix = "Leave map_location at its default 'cpu', or name a device this machine has."
         else:
             fix = "The file is truncated or corrupt; save it again or use an earlier copy."
-        raise CheckpointError(where, f"an unreadable file ({first})", "a torch.save file",
-                              fix) from err
+        raise CheckpointError(
+            where, f"an unreadable file ({first})", "a torch.save file", fix
+        ) from err
     legacy = find_legacy_extra_states(obj)
     if legacy:
         first_key, era = next(iter(legacy.items()))
@@ -153,6 +160,7 @@ def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") ->
         raise LegacyFormatError(
             f"{where}: {first_key}{more}",
             f"TransformerEngine extra state: {era}",
-            "fp8state extra state (a dict of tensors with a schema_version)", _MIGRATE_FIX,
+            "fp8state extra state (a dict of tensors with a schema_version)",
+            _MIGRATE_FIX,
         )
     return obj

@@ -51,19 +51,25 @@ class _Exporter:
     def __call__(self, key: str, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(
-                key, f"a {type(value).__name__} (another library's extra state?)",
-                "a tensor", "A plain state dict holds tensors only; export that module's "
+                key,
+                f"a {type(value).__name__} (another library's extra state?)",
+                "a tensor",
+                "A plain state dict holds tensors only; export that module's "
                 "state separately, or remove the module before exporting.",
             )
         if isinstance(value, DTensor):
             raise CheckpointError(
-                key, "a DTensor (a sharded parameter)", "a full tensor",
+                key,
+                "a DTensor (a sharded parameter)",
+                "a full tensor",
                 "Export an unsharded copy of the model, or consolidate a DCP checkpoint "
                 "first (fp8state consolidate DIR OUT.pt) and load it into one.",
             )
         if value.device.type == "meta":
             raise CheckpointError(
-                key, "a tensor on the meta device (it holds no data)", "a tensor with data",
+                key,
+                "a tensor on the meta device (it holds no data)",
+                "a tensor with data",
                 "Materialize and load the model's weights before exporting them.",
             )
         tensor = value.detach().to("cpu").contiguous()
@@ -133,10 +139,15 @@ def to_plain_state_dict(
         ['0.bias', '0.weight', '1.bias', '1.weight']
     """
     if not isinstance(fp8_metadata, str) or fp8_metadata not in _MODES:
-        found = repr(fp8_metadata) if isinstance(fp8_metadata, str) else (
-            f"a {type(fp8_metadata).__name__}")
+        found = (
+            repr(fp8_metadata)
+            if isinstance(fp8_metadata, str)
+            else (f"a {type(fp8_metadata).__name__}")
+        )
         raise ConfigError(
-            "to_plain_state_dict(fp8_metadata=)", found, f"one of {_MODES}",
+            "to_plain_state_dict(fp8_metadata=)",
+            found,
+            f"one of {_MODES}",
             "Pass 'drop' for weights only, or 'separate' for (weights, metadata). A metadata "
             "map goes to load_plain_state_dict(..., fp8_metadata=) instead.",
         )
@@ -178,7 +189,9 @@ def _extra_state_error(present: list[str], extras: list[Entry]) -> CheckpointErr
             "or drop the _extra_state keys to start every FP8 module fresh."
         )
     return CheckpointError(
-        keys_of_strings(present), found, "a plain state dict: no _extra_state keys",
+        keys_of_strings(present),
+        found,
+        "a plain state dict: no _extra_state keys",
         fix,
     )
 
@@ -191,12 +204,15 @@ def _split_metadata(
     for key, value in fp8_metadata.items():
         parts = split_metadata_key(key)
         if parts is None:
-            problems.append(CheckpointError(
-                f"fp8_metadata[{key!r}]", "a key without a '<module>._extra_state.' part",
-                "'<module name>._extra_state.<schema key>', as to_plain_state_dict writes",
-                "Pass the metadata map to_plain_state_dict(..., fp8_metadata='separate') "
-                "returned, unchanged.",
-            ))
+            problems.append(
+                CheckpointError(
+                    f"fp8_metadata[{key!r}]",
+                    "a key without a '<module>._extra_state.' part",
+                    "'<module name>._extra_state.<schema key>', as to_plain_state_dict writes",
+                    "Pass the metadata map to_plain_state_dict(..., fp8_metadata='separate') "
+                    "returned, unchanged.",
+                )
+            )
             continue
         module_key, field = parts
         payloads.setdefault(module_key, {})[field] = value
@@ -214,7 +230,7 @@ def split_metadata_key(key: object) -> tuple[str, str] | None:
     at = key.rfind(_METADATA_MARK)
     if at < 0 or (at > 0 and key[at - 1] != "."):
         return None
-    return key[: at + len(EXTRA_STATE_KEY)], key[at + len(_METADATA_MARK):]
+    return key[: at + len(EXTRA_STATE_KEY)], key[at + len(_METADATA_MARK) :]
 
 
 def _with_metadata(
@@ -230,13 +246,16 @@ def _with_metadata(
         payload = payloads.pop(entry.key, None) or payloads.pop(entry.canonical, None)
         if payload is None:
             if fp8_metadata is not None and strict:
-                problems.append(CheckpointError(
-                    f"fp8_metadata[{entry.canonical}.*]", "no metadata for this FP8 module",
-                    "metadata for every FP8 module (strict=True)",
-                    "Pass the whole map to_plain_state_dict(..., fp8_metadata='separate') "
-                    "wrote for a model built like this one, or no fp8_metadata at all to "
-                    "start every FP8 module fresh.",
-                ))
+                problems.append(
+                    CheckpointError(
+                        f"fp8_metadata[{entry.canonical}.*]",
+                        "no metadata for this FP8 module",
+                        "metadata for every FP8 module (strict=True)",
+                        "Pass the whole map to_plain_state_dict(..., fp8_metadata='separate') "
+                        "wrote for a model built like this one, or no fp8_metadata at all to "
+                        "start every FP8 module fresh.",
+                    )
+                )
             assert isinstance(entry.module, FP8StateMixin)
             rows = entry.module.fp8_meta("fwd").amax_history.shape[0]
             payload = default_payload(entry.module.fp8_num_gemms, rows=rows)
@@ -306,15 +325,20 @@ def load_plain_state_dict(
     """
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
-            "state_dict", f"a {type(state_dict).__name__}", "a mapping of keys to tensors",
+            "state_dict",
+            f"a {type(state_dict).__name__}",
+            "a mapping of keys to tensors",
             "Pass a state dict (torch.load(..., weights_only=True) or safetensors' load_file).",
         )
     if fp8_metadata is not None and not isinstance(fp8_metadata, Mapping):
         found = f"a {type(fp8_metadata).__name__}" + (
             f" ({fp8_metadata!r}, a mode of to_plain_state_dict)"
-            if isinstance(fp8_metadata, str) and fp8_metadata in _MODES else "")
+            if isinstance(fp8_metadata, str) and fp8_metadata in _MODES
+            else ""
+        )
         raise ConfigError(
-            "load_plain_state_dict(fp8_metadata=)", found,
+            "load_plain_state_dict(fp8_metadata=)",
+            found,
             "a mapping of '<module>._extra_state.<schema key>' to tensors, or None",
             "Pass the map to_plain_state_dict(..., fp8_metadata='separate') returned (its "
             "second item), or None to start every FP8 module fresh.",
@@ -324,8 +348,11 @@ def load_plain_state_dict(
     extras = _fp8_extras(entries)
     extra_keys = {e.key for e in extras}
     resolver = KeyResolver(entries)
-    present = [e.key for k in state_dict if isinstance(k, str)
-               and (e := resolver.resolve(k)) is not None and e.key in extra_keys]
+    present = [
+        e.key
+        for k in state_dict
+        if isinstance(k, str) and (e := resolver.resolve(k)) is not None and e.key in extra_keys
+    ]
     if present:
         raise _extra_state_error(present, extras)
     # The norm of a fused pair: the plain name goes to the fused module's key.
@@ -335,10 +362,14 @@ def load_plain_state_dict(
     for key, value in state_dict.items():
         target = fused.get(key, key) if isinstance(key, str) else key
         if target in combined:
-            problems.append(CheckpointError(
-                key, f"a second value for {target!r}", "each weight once",
-                f"Keep either {key!r} or {target!r}.",
-            ))
+            problems.append(
+                CheckpointError(
+                    key,
+                    f"a second value for {target!r}",
+                    "each weight once",
+                    f"Keep either {key!r} or {target!r}.",
+                )
+            )
             continue
         combined[target] = value
     fills = tied_fills(resolver, combined)  # keys a safetensors file dropped for a tie
@@ -349,11 +380,15 @@ def load_plain_state_dict(
         combined._metadata = metadata  # type: ignore[attr-defined]
     _with_metadata(combined, extras, fp8_metadata, strict, problems)
     translated, found = validate_state_dict(model, combined, strict=strict, assign=assign)
-    problems += [p if p.key not in names else type(p)(names[p.key], p.found, p.expected, p.fix)
-                 for p in found if p.key not in fills]  # a tie repeats its source's problem
+    problems += [
+        p if p.key not in names else type(p)(names[p.key], p.found, p.expected, p.fix)
+        for p in found
+        if p.key not in fills
+    ]  # a tie repeats its source's problem
     if problems:
         raise StateDictError(
-            keys_of(problems), summarize(problems),
+            keys_of(problems),
+            summarize(problems),
             f"plain weights that fit {type(model).__name__} in every key",
             "Nothing was loaded; the model is unchanged. Fix the keys listed above.",
             problems,

@@ -45,9 +45,10 @@ def _safetensors_torch() -> ModuleType:
         import safetensors.torch
     except ImportError:
         raise CheckpointError(
-            "safetensors", "the package is not installed", "safetensors>=0.4",
-            "Install it with `pip install fp8state[safetensors]` (or `pip install "
-            "safetensors`).",
+            "safetensors",
+            "the package is not installed",
+            "safetensors>=0.4",
+            "Install it with `pip install fp8state[safetensors]` (or `pip install safetensors`).",
         ) from None
     return safetensors.torch
 
@@ -58,13 +59,17 @@ def _output_paths(path: PathLike, fp8_metadata_path: PathLike | None) -> tuple[s
     for argument, value in (("path", out), ("fp8_metadata_path", meta)):
         if value is not None and os.path.isdir(value):
             raise CheckpointError(
-                value, "a folder", f"a file name as {argument}",
+                value,
+                "a folder",
+                f"a file name as {argument}",
                 "Pass the path of the .safetensors file to write, e.g. "
                 f"{os.path.join(value, 'model.safetensors')!r}.",
             )
     if meta is not None and os.path.abspath(meta) == os.path.abspath(out):
         raise CheckpointError(
-            meta, "the same file as path", "a second file for the FP8 metadata",
+            meta,
+            "the same file as path",
+            "a second file for the FP8 metadata",
             "Pass another name, e.g. fp8_metadata_path='fp8_metadata.safetensors'.",
         )
     return out, meta
@@ -122,8 +127,9 @@ def save_safetensors(
             if kept in weights and weights.pop(name, None) is not None:
                 header[name] = kept  # as save_model records it
     if meta_out is not None:
-        st.save_file(metadata, meta_out,
-                     metadata={"format": "pt", FP8_METADATA_MARK: str(SCHEMA_VERSION)})
+        st.save_file(
+            metadata, meta_out, metadata={"format": "pt", FP8_METADATA_MARK: str(SCHEMA_VERSION)}
+        )
     st.save_file(weights, out, metadata=header)
 
 
@@ -132,7 +138,8 @@ def _load_file(st: ModuleType, path: str) -> dict[str, torch.Tensor]:
         loaded: dict[str, torch.Tensor] = st.load_file(path, device="cpu")
     except Exception as err:  # noqa: BLE001 - safetensors' errors share no base but Exception
         raise CheckpointError(
-            path, f"a safetensors file that cannot be read ({type(err).__name__}: {err})",
+            path,
+            f"a safetensors file that cannot be read ({type(err).__name__}: {err})",
             "a complete .safetensors file",
             "The file is truncated or damaged; copy it again from its source.",
         ) from None
@@ -143,8 +150,10 @@ def _read_weights(st: ModuleType, paths: Sequence[str]) -> dict[str, torch.Tenso
     for path in paths:  # every file checked before any is read
         if is_fp8_metadata_header(safetensors_header(path, "path")):
             raise CheckpointError(
-                path, f"the FP8 metadata file save_safetensors writes ({FP8_METADATA_MARK} "
-                "in its header)", "a weights file as path",
+                path,
+                f"the FP8 metadata file save_safetensors writes ({FP8_METADATA_MARK} "
+                "in its header)",
+                "a weights file as path",
                 f"Pass it as fp8_metadata_path={path!r}, and the weights file as path.",
             )
     merged: dict[str, torch.Tensor] = {}
@@ -153,8 +162,10 @@ def _read_weights(st: ModuleType, paths: Sequence[str]) -> dict[str, torch.Tenso
         for key, value in _load_file(st, path).items():
             if key in merged:
                 raise CheckpointError(
-                    key, f"the key in both {origin[key]} and {path}",
-                    "each key in one file", "Pass the shards of one checkpoint, each once.",
+                    key,
+                    f"the key in both {origin[key]} and {path}",
+                    "each key in one file",
+                    "Pass the shards of one checkpoint, each once.",
                 )
             merged[key] = value
             origin[key] = path
@@ -166,8 +177,9 @@ def _read_fp8_metadata(st: ModuleType, path: str) -> dict[str, torch.Tensor]:
     keys = [k for k in header if k != "__metadata__"]
     if keys and not holds_fp8_metadata(header):
         raise CheckpointError(
-            path, f"a file of {len(keys)} tensors, none of them FP8 metadata (a weights "
-            "file?)", "the FP8 metadata file save_safetensors wrote, keys "
+            path,
+            f"a file of {len(keys)} tensors, none of them FP8 metadata (a weights file?)",
+            "the FP8 metadata file save_safetensors wrote, keys "
             "'<module>._extra_state.<schema key>'",
             f"Pass it as path={path!r}; pass fp8_metadata_path only for the FP8 metadata "
             "file, or leave it out to start every FP8 module fresh.",
@@ -188,7 +200,8 @@ def read_fp8_metadata_file(path: PathLike) -> dict[str, dict[str, torch.Tensor]]
         parts = split_metadata_key(key)
         if parts is None:
             raise CheckpointError(
-                key, "a key without a '<module>._extra_state.' part",
+                key,
+                "a key without a '<module>._extra_state.' part",
                 "'<module name>._extra_state.<schema key>'",
                 f"{os.fspath(path)} is not an FP8 metadata file save_safetensors wrote.",
             )
@@ -248,12 +261,15 @@ def load_safetensors(
     paths = [path] if isinstance(path, str | os.PathLike) else list(path)
     if not paths:
         raise CheckpointError(
-            "path", "an empty list of files", "a .safetensors file, or the shards of one",
+            "path",
+            "an empty list of files",
+            "a .safetensors file, or the shards of one",
             "Pass the weights file(s).",
         )
     files = [os.fspath(p) for p in paths]
-    metadata = None if fp8_metadata_path is None else _read_fp8_metadata(
-        st, os.fspath(fp8_metadata_path))
+    metadata = (
+        None if fp8_metadata_path is None else _read_fp8_metadata(st, os.fspath(fp8_metadata_path))
+    )
     return load_plain_state_dict(
         model, _read_weights(st, files), strict, assign=assign, fp8_metadata=metadata
     )

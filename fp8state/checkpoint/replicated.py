@@ -43,9 +43,7 @@ def _local_digests(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[s
             for _, canonical, module in fp8_modules(model_or_state_dict)
         }
     else:
-        payloads = {
-            k: v for k, v in iter_extra_states(model_or_state_dict) if is_fp8_payload(v)
-        }
+        payloads = {k: v for k, v in iter_extra_states(model_or_state_dict) if is_fp8_payload(v)}
     return {
         key: {name: _digest(t) for name, t in payload.items() if isinstance(t, torch.Tensor)}
         for key, payload in payloads.items()
@@ -63,17 +61,18 @@ def _compare(gathered: list[dict[str, dict]], ranks: list[int]) -> list[FP8State
             variants.setdefault(tuple(sorted(digests.items())), []).append(rank)
         if len(variants) == 1:
             continue
-        fields = sorted({
-            name
-            for _, d in holders for name in d
-            if len({h[1].get(name) for h in holders}) > 1
-        })
+        fields = sorted(
+            {name for _, d in holders for name in d if len({h[1].get(name) for h in holders}) > 1}
+        )
         groups = " vs ".join(f"ranks {r}" for r in variants.values())
-        problems.append(DistributedStateError(
-            key, f"different {', '.join(fields)} on {groups}",
-            "identical FP8 metadata on every rank that saves this module",
-            "DCP keeps a single copy of replicated tensors, so the others would be lost.",
-        ))
+        problems.append(
+            DistributedStateError(
+                key,
+                f"different {', '.join(fields)} on {groups}",
+                "identical FP8 metadata on every rank that saves this module",
+                "DCP keeps a single copy of replicated tensors, so the others would be lost.",
+            )
+        )
     return problems
 
 
@@ -120,13 +119,12 @@ def check_fp8_metadata_replicated(
         return len(local)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, local, group=group)
-    ranks = (
-        list(range(world)) if group is None else dist.get_process_group_ranks(group)
-    )
+    ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
     problems = _compare(gathered, ranks)
     if problems:
         raise DistributedStateError(
-            keys_of(problems), summarize(problems),
+            keys_of(problems),
+            summarize(problems),
             "the same FP8 metadata on every rank (DCP stores one copy of replicated tensors)",
             "DCP would keep one rank's copy (dcp_save writes nothing). Reduce amaxes over "
             "every rank that holds a module "

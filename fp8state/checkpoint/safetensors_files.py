@@ -16,8 +16,13 @@ from typing import Any
 from fp8state.errors import CheckpointError
 from fp8state.schema import EXTRA_STATE_KEY
 
-__all__ = ["FP8_METADATA_MARK", "read_header", "safetensors_header", "is_fp8_metadata_header",
-           "holds_fp8_metadata"]
+__all__ = [
+    "FP8_METADATA_MARK",
+    "read_header",
+    "safetensors_header",
+    "is_fp8_metadata_header",
+    "holds_fp8_metadata",
+]
 
 #: Key of the header's ``__metadata__`` that marks the FP8 metadata file save_safetensors writes.
 FP8_METADATA_MARK = "fp8state_schema_version"
@@ -60,7 +65,8 @@ def is_fp8_metadata_header(header: dict[str, Any]) -> bool:
 def holds_fp8_metadata(header: dict[str, Any]) -> bool:
     """True for that file, or any whose tensor names look like ``<module>._extra_state.*``."""
     return is_fp8_metadata_header(header) or any(
-        _FP8_KEY_PART in key for key in header if key != "__metadata__")
+        _FP8_KEY_PART in key for key in header if key != "__metadata__"
+    )
 
 
 def _index_fix(path: str) -> str | None:
@@ -92,13 +98,17 @@ def _not_safetensors(path: str) -> CheckpointError:
         return CheckpointError(path, "a JSON file, not a safetensors file", expected, fix)
     if start.startswith(_ZIP_MAGIC) or start.startswith(_PICKLE_PROTOCOL):
         return CheckpointError(
-            path, "a torch.save file, not a safetensors file", expected,
+            path,
+            "a torch.save file, not a safetensors file",
+            expected,
             "Read it with fp8state.checkpoint.load(path) and pass the state dict to "
             "fp8state.checkpoint.load_plain_state_dict (weights without FP8 metadata) or "
             "fp8state.checkpoint.load_state_dict (an fp8state checkpoint).",
         )
     return CheckpointError(
-        path, "a file without a safetensors header (another format, or damaged)", expected,
+        path,
+        "a file without a safetensors header (another format, or damaged)",
+        expected,
         "Pass a .safetensors file; if this is one, it is truncated or damaged: copy it again.",
     )
 
@@ -120,7 +130,9 @@ def safetensors_header(path: str, argument: str) -> dict[str, Any]:
         inside = f" holding {', '.join(files[:_SHOWN_SHARDS])}" if files else ""
         inside += f", ... ({len(files)} files)" if len(files) > _SHOWN_SHARDS else ""
         raise CheckpointError(
-            path, f"a folder{inside}", f"a .safetensors file as {argument}",
+            path,
+            f"a folder{inside}",
+            f"a .safetensors file as {argument}",
             "Pass the weights file in it, or the list of its shard files (a Hugging Face "
             "model.safetensors.index.json names them); an FP8 metadata file goes to "
             "fp8_metadata_path=.",
@@ -129,15 +141,18 @@ def safetensors_header(path: str, argument: str) -> dict[str, Any]:
         header = read_header(path)
     except FileNotFoundError:
         raise CheckpointError(
-            path, "no such file", f"a .safetensors file as {argument}",
+            path,
+            "no such file",
+            f"a .safetensors file as {argument}",
             "Check the path (relative paths start from the current folder).",
         ) from None
     except OSError as err:
         raise CheckpointError(
-            path, f"a file that cannot be read ({err.strerror or err})",
-            f"a readable .safetensors file as {argument}", "Check the file's permissions.",
+            path,
+            f"a file that cannot be read ({err.strerror or err})",
+            f"a readable .safetensors file as {argument}",
+            "Check the file's permissions.",
         ) from None
     if header is None:
         raise _not_safetensors(path)
     return header
-

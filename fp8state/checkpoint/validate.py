@@ -36,7 +36,9 @@ def _is_dtensor(value: object) -> bool:
 
 def _unexpected(key: str) -> CheckpointError:
     return CheckpointError(
-        key, "a key the model does not have", "only the model's keys (strict=True)",
+        key,
+        "a key the model does not have",
+        "only the model's keys (strict=True)",
         "Check that the model is built like the one that saved the checkpoint, or pass "
         "strict=False to ignore extra keys.",
     )
@@ -48,24 +50,31 @@ def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, Checkpoi
     assert live is not None  # params and buffers always have a tensor
     if not isinstance(value, torch.Tensor):
         return value, CheckpointError(
-            entry.key, f"a {type(value).__name__}", "a torch.Tensor",
+            entry.key,
+            f"a {type(value).__name__}",
+            "a torch.Tensor",
             "The checkpoint is corrupt or not a state dict of this model.",
         )
     if nn.parameter.is_lazy(live):
         return value, None  # a lazy module takes the checkpoint's shape, as in PyTorch
     if tuple(value.shape) != tuple(live.shape):
         return value, CheckpointError(
-            entry.key, f"shape {tuple(value.shape)}", f"shape {tuple(live.shape)} (the model's)",
+            entry.key,
+            f"shape {tuple(value.shape)}",
+            f"shape {tuple(live.shape)} (the model's)",
             "Build the model with the configuration that saved the checkpoint.",
         )
     if value.device.type == "meta":
         return value, CheckpointError(
-            entry.key, "a tensor on the meta device (it holds no data)", "a tensor with data",
+            entry.key,
+            "a tensor on the meta device (it holds no data)",
+            "a tensor with data",
             "Load the checkpoint file itself, not a state_dict() of a model built on 'meta'.",
         )
     if live.device.type == "meta" and not assign:
         return value, CheckpointError(
-            entry.key, "a model tensor on the meta device (copying into it is a no-op)",
+            entry.key,
+            "a model tensor on the meta device (copying into it is a no-op)",
             "a materialized model",
             "Call model.to_empty(device=...) before loading, or pass assign=True.",
         )
@@ -73,12 +82,12 @@ def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, Checkpoi
         # A full tensor for a sharded parameter (e.g. a consolidated file loaded on every
         # rank): each rank keeps its own shard, without communication (src_data_rank=None).
         local = value.to(live.to_local().device)
-        return distribute_tensor(
-            local, live.device_mesh, live.placements, src_data_rank=None
-        ), None
+        return distribute_tensor(local, live.device_mesh, live.placements, src_data_rank=None), None
     if _is_dtensor(value) and not _is_dtensor(live):
         return value, CheckpointError(
-            entry.key, "a DTensor (a sharded state dict)", "a plain tensor, like the model's",
+            entry.key,
+            "a DTensor (a sharded state dict)",
+            "a plain tensor, like the model's",
             "Load a sharded checkpoint with fp8state.checkpoint.dcp_load, or call "
             "full_tensor() on its values first.",
         )
@@ -142,11 +151,14 @@ def validate_state_dict(
             out[key] = value
             continue
         if entry.key in out:
-            problems.append(CheckpointError(
-                key, f"a second value for {entry.key!r}",
-                "each key once (model spelling or canonical spelling, not both)",
-                "Remove one of the duplicate keys.",
-            ))
+            problems.append(
+                CheckpointError(
+                    key,
+                    f"a second value for {entry.key!r}",
+                    "each key once (model spelling or canonical spelling, not both)",
+                    "Remove one of the duplicate keys.",
+                )
+            )
             continue
         if entry.kind == "extra":
             problem = _check_extra(entry, value)
@@ -242,13 +254,16 @@ def load_state_dict(
     """
     if not isinstance(state_dict, Mapping):
         raise CheckpointError(
-            "state_dict", f"a {type(state_dict).__name__}", "a mapping of keys to tensors",
+            "state_dict",
+            f"a {type(state_dict).__name__}",
+            "a mapping of keys to tensors",
             "Pass what fp8state.checkpoint.load (or torch.load) returned for a state dict.",
         )
     translated, problems = validate_state_dict(model, state_dict, strict=strict, assign=assign)
     if problems:
         raise StateDictError(
-            keys_of(problems), summarize(problems),
+            keys_of(problems),
+            summarize(problems),
             f"a state dict that fits {type(model).__name__} in every key",
             "Nothing was loaded; the model is unchanged. Fix the keys listed above.",
             problems,

@@ -56,5 +56,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # missing file, permissions, full disk: one line, no traceback
         print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
-
-

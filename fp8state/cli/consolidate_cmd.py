@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     """Consolidate, print one line about the file written, return 0."""
     if os.path.exists(args.out) and not args.overwrite:  # the library's message names overwrite=
         raise CheckpointError(
-            args.out, "an existing file", "a path that does not exist yet",
+            args.out,
+            "an existing file",
+            "a path that does not exist yet",
             "Choose another OUT, or add --overwrite to replace it.",
         )
     result = consolidate(args.dir, args.out, overwrite=args.overwrite)

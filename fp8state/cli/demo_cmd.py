@@ -23,18 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=DemoConfig.seed)
     parser.add_argument("--device", default=None, help="training device (default: cuda:0 or cpu)")
     parser.add_argument(
-        "--resume-device", default=None,
+        "--resume-device",
+        default=None,
         help="device of the resumed model (default: another GPU if there is one)",
     )
     parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="show or hide the progress bars on stderr (default: shown only when stderr is a "
-             "terminal, so logs and pipes get no carriage-return updates)",
+        "terminal, so logs and pipes get no carriage-return updates)",
     )
     parser.add_argument(
-        "--plot", metavar="PATH", default=None,
+        "--plot",
+        metavar="PATH",
+        default=None,
         help="also write a PNG of both loss curves and the scales of a few FP8 slots per step "
-             "(needs matplotlib: pip install 'fp8state[plot]')",
+        "(needs matplotlib: pip install 'fp8state[plot]')",
     )
 
 
@@ -53,8 +58,12 @@ class _PhaseBars:
         """Close the previous bar and open one for ``steps`` of ``phase``."""
         self.close()
         label = {"train": "train", "resume": "resumed from checkpoint"}.get(phase, phase)
-        self._bar = tqdm(total=len(steps), unit="step", disable=not self._enabled,
-                         desc=f"{label}, steps {steps.start}-{steps.stop - 1}")
+        self._bar = tqdm(
+            total=len(steps),
+            unit="step",
+            disable=not self._enabled,
+            desc=f"{label}, steps {steps.start}-{steps.stop - 1}",
+        )
 
     def step(self, step: int, loss: float) -> None:
         """Count one step of the current run."""
@@ -89,19 +98,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"  devices        train {result.train_device}, resume {result.resume_device}")
     print(f"  GEMM backend   {result.backend}")
     print(f"  speed          {result.steps_per_s:.1f} steps/s (training, {cfg.steps} steps)")
-    print(f"  loss           step 0 {result.losses[0]:.5f} -> step {cfg.steps - 1} "
-          f"{result.losses[-1]:.5f}")
-    print(f"  checkpoint     step {half}, {result.checkpoint_bytes / 1024:.0f} KiB, "
-          "loaded with torch.load(weights_only=True)")
+    print(
+        f"  loss           step 0 {result.losses[0]:.5f} -> step {cfg.steps - 1} "
+        f"{result.losses[-1]:.5f}"
+    )
+    print(
+        f"  checkpoint     step {half}, {result.checkpoint_bytes / 1024:.0f} KiB, "
+        "loaded with torch.load(weights_only=True)"
+    )
     for name, values in result.scales.items():
         print(f"  scale {name:<26} " + ", ".join(f"{v:.4g}" for v in values))
     if plot_path is not None:
         print(f"  plot           {plot_demo(result, plot_path)}")
     if result.resume_exact:
-        print(f"  resume         exact: steps {half}-{cfg.steps - 1} match bit for bit "
-              f"({len(result.resumed_losses)} losses)")
+        print(
+            f"  resume         exact: steps {half}-{cfg.steps - 1} match bit for bit "
+            f"({len(result.resumed_losses)} losses)"
+        )
         return 0
-    diffs = [i + half for i, (a, b) in enumerate(
-        zip(result.losses[half:], result.resumed_losses, strict=True)) if a != b]
+    diffs = [
+        i + half
+        for i, (a, b) in enumerate(zip(result.losses[half:], result.resumed_losses, strict=True))
+        if a != b
+    ]
     print(f"  resume         MISMATCH at steps {diffs}", file=sys.stderr)
     return EXIT_RESUME_MISMATCH

@@ -31,7 +31,8 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``PATH`` and ``--json``."""
     parser.add_argument(
-        "path", metavar="PATH",
+        "path",
+        metavar="PATH",
         help="a torch.save file, a folder written by torch.distributed.checkpoint, or the FP8 "
         "metadata .safetensors file fp8state's save_safetensors writes",
     )
@@ -56,7 +57,8 @@ def _summarize(path: str) -> CheckpointSummary:
     tensors = len([k for k in header if k != "__metadata__"])
     if not holds_fp8_metadata(header):
         raise CheckpointError(
-            path, f"a safetensors file of {tensors} plain tensors (no FP8 metadata in it)",
+            path,
+            f"a safetensors file of {tensors} plain tensors (no FP8 metadata in it)",
             "a torch.save checkpoint, a DCP folder, or the FP8 metadata file "
             "save_safetensors(..., fp8_metadata_path=) writes",
             "A weights file holds no FP8 state to show; inspect the FP8 metadata file written "

@@ -29,15 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", metavar="DST", help="where to write the converted checkpoint")
     parser.add_argument("--dry-run", action="store_true", help="convert and report; write nothing")
     parser.add_argument(
-        "--lenient", action="store_true",
+        "--lenient",
+        action="store_true",
         help="drop and report undecodable extra states instead of failing (still exits 0)",
     )
 
 
 def _progress(keys: Iterable[str], total: int) -> Iterable[str]:
     # tqdm disables itself when stderr is not a terminal (disable=None), keeping logs clean.
-    return tqdm(keys, total=total, desc="converting", unit="entry", file=sys.stderr,
-                disable=None, leave=False)
+    return tqdm(
+        keys,
+        total=total,
+        desc="converting",
+        unit="entry",
+        file=sys.stderr,
+        disable=None,
+        leave=False,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         save_atomically(checkpoint, args.dst)
     except OSError as err:  # disk full, read-only directory, DST is a folder ...
         raise CheckpointError(
-            args.dst, f"an error writing it ({err.strerror or err})", "a writable file path",
+            args.dst,
+            f"an error writing it ({err.strerror or err})",
+            "a writable file path",
             "Check the path, its permissions and the free space; nothing was written.",
         ) from None
     print(f"wrote {args.dst}")

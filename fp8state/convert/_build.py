@@ -60,8 +60,11 @@ def _take_linear_params(new: Linear | LayerNormLinear, linear: nn.Linear) -> Non
 
 def _linear(linear: nn.Linear) -> Linear:
     new = Linear(
-        linear.in_features, linear.out_features, bias=linear.bias is not None,
-        params_dtype=linear.weight.dtype, device="meta",
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        params_dtype=linear.weight.dtype,
+        device="meta",
     )
     _take_linear_params(new, linear)
     _materialize_fp8_metadata(new, linear.weight.device)
@@ -71,8 +74,7 @@ def _linear(linear: nn.Linear) -> Linear:
 def _norm(norm: nn.LayerNorm | nn.RMSNorm) -> LayerNorm | RMSNorm:
     assert norm.weight is not None and norm.eps is not None  # checked by _convert_rules
     cls = LayerNorm if isinstance(norm, nn.LayerNorm) else RMSNorm
-    new = cls(norm.normalized_shape[0], eps=norm.eps, params_dtype=norm.weight.dtype,
-              device="meta")
+    new = cls(norm.normalized_shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device="meta")
     new.weight = norm.weight
     if isinstance(norm, nn.LayerNorm):
         new.bias = norm.bias
@@ -105,8 +107,13 @@ def build_fused(
     assert norm.weight is not None and norm.eps is not None  # checked by _convert_rules
     normalization = "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
     new = LayerNormLinear(
-        linear.in_features, linear.out_features, eps=norm.eps, bias=linear.bias is not None,
-        normalization=normalization, params_dtype=linear.weight.dtype, device="meta",
+        linear.in_features,
+        linear.out_features,
+        eps=norm.eps,
+        bias=linear.bias is not None,
+        normalization=normalization,
+        params_dtype=linear.weight.dtype,
+        device="meta",
     )
     new.layer_norm_weight = norm.weight
     if isinstance(norm, nn.LayerNorm):

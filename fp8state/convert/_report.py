@@ -91,16 +91,24 @@ class ConversionReport:
 
     def problems(self) -> list[str]:
         """One line per module or pair asked for that cannot be converted as asked."""
-        lines = [f"{d.name} ({d.module_type}): {d.reason}"
-                 for d in self.modules if d.action == "unsupported"]
-        lines += [f"pair ({p.norm}, {p.linear}) not fused: {p.reason}"
-                  for p in self.pairs if not p.fused and not p.filtered]
+        lines = [
+            f"{d.name} ({d.module_type}): {d.reason}"
+            for d in self.modules
+            if d.action == "unsupported"
+        ]
+        lines += [
+            f"pair ({p.norm}, {p.linear}) not fused: {p.reason}"
+            for p in self.pairs
+            if not p.fused and not p.filtered
+        ]
         return lines
 
     def __str__(self) -> str:
         rows = [("module", "type", "action", "becomes / reason")]
-        rows += [(d.name or "(model)", d.module_type, d.action, d.target or d.reason)
-                 for d in self.modules]
+        rows += [
+            (d.name or "(model)", d.module_type, d.action, d.target or d.reason)
+            for d in self.modules
+        ]
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         return "\n".join(
             "  ".join(cell.ljust(w) for cell, w in zip(r[:3], widths, strict=True)) + "  " + r[3]

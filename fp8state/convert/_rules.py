@@ -114,13 +114,18 @@ def _instance_problems(module: nn.Module) -> list[str]:
 
 def _gemm_shape_problems(in_features: int, out_features: int) -> list[str]:
     """One reason for all the GEMM dimensions ``torch._scaled_mm`` cannot take (or none)."""
-    odd = [f"{name}={size}"
-           for name, size in (("in_features", in_features), ("out_features", out_features))
-           if size == 0 or size % _SCALED_MM_ALIGN]
+    odd = [
+        f"{name}={size}"
+        for name, size in (("in_features", in_features), ("out_features", out_features))
+        if size == 0 or size % _SCALED_MM_ALIGN
+    ]
     if not odd:
         return []
-    what = (f"{odd[0]} is not a positive multiple" if len(odd) == 1
-            else f"{' and '.join(odd)} are not positive multiples")
+    what = (
+        f"{odd[0]} is not a positive multiple"
+        if len(odd) == 1
+        else f"{' and '.join(odd)} are not positive multiples"
+    )
     return [
         f"{what} of {_SCALED_MM_ALIGN} (torch._scaled_mm needs both GEMM dimensions to be; "
         f"such a GEMM would run emulated, slower than high precision)"
@@ -131,9 +136,7 @@ def _linear_problems(linear: nn.Linear) -> list[str]:
     problems = _gemm_shape_problems(linear.in_features, linear.out_features)
     dtype = str(linear.weight.dtype)
     if dtype not in FP8_GEMM_DTYPES:
-        problems.append(
-            f"dtype {dtype}: FP8 GEMMs produce {', '.join(FP8_GEMM_DTYPES)} outputs"
-        )
+        problems.append(f"dtype {dtype}: FP8 GEMMs produce {', '.join(FP8_GEMM_DTYPES)} outputs")
     return problems
 
 
@@ -146,9 +149,7 @@ def _norm_problems(norm: nn.LayerNorm | nn.RMSNorm) -> list[str]:
             f"the last dimension only"
         )
     if norm.weight is None:
-        problems.append(
-            f"elementwise_affine=False: fp8state.{kind} always learns a weight"
-        )
+        problems.append(f"elementwise_affine=False: fp8state.{kind} always learns a weight")
     if isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is None:
         problems.append("bias=False: fp8state.LayerNorm always learns a bias")
     if norm.eps is None:

@@ -10,7 +10,6 @@ module, without changing anything. The rules (exact types only, and why) are in
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,13 +19,13 @@ from torch import nn
 
 from fp8state.convert import _rules as rules
 from fp8state.convert._build import FusedFrom, build_fused, build_swap
+from fp8state.convert._checks import ON_UNSUPPORTED, check_arguments
 from fp8state.convert._report import ConversionReport, ModuleDecision, PairDecision
 from fp8state.errors import ConfigError, ConversionError
 
 __all__ = ["convert_model", "plan_conversion"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
-_ON_UNSUPPORTED = ("skip", "raise")
 
 
 @dataclass
@@ -44,58 +43,7 @@ class _Plan:
     fused: list[_Pair] = field(default_factory=list)
 
 
-def _check_arguments(
-    model: object, module_filter_fn: object, layernorm_linear: object
-) -> list[tuple[str, str]]:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(
-            "convert_model(model)", f"a {type(model).__name__}", "a torch.nn.Module",
-            "Pass the model itself.",
-        )
-    if module_filter_fn is not None:
-        _check_filter(module_filter_fn)
-    if isinstance(layernorm_linear, str) or not isinstance(layernorm_linear, Iterable):
-        raise ConfigError(
-            "layernorm_linear", repr(layernorm_linear), "an iterable of (norm, linear) names",
-            "Pass e.g. [('blocks.0.ln_2', 'blocks.0.mlp.fc1')].",
-        )
-    pairs = list(layernorm_linear)
-    for pair in pairs:
-        if not (isinstance(pair, tuple | list) and len(pair) == 2
-                and all(isinstance(n, str) for n in pair)):
-            raise ConfigError(
-                "layernorm_linear", f"the item {pair!r}", "a (norm name, linear name) pair",
-                "Name each pair as two strings, as model.named_modules() spells them.",
-            )
-    return [(str(a), str(b)) for a, b in pairs]
-
-
-def _check_filter(module_filter_fn: object) -> None:
-    """A ConfigError unless ``module_filter_fn`` can be called as ``fn(module, fqn)``."""
-    fix = "Pass a function such as lambda module, fqn: not fqn.startswith('head')."
-    if not callable(module_filter_fn):
-        raise ConfigError(
-            "module_filter_fn", f"a {type(module_filter_fn).__name__}",
-            "a callable fn(module, fqn) -> bool, or None", fix,
-        )
-    try:
-        signature = inspect.signature(module_filter_fn)
-    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
-        return
-    try:
-        signature.bind(nn.Identity(), "name")
-    except TypeError:
-        name = getattr(module_filter_fn, "__qualname__", type(module_filter_fn).__name__)
-        raise ConfigError(
-            "module_filter_fn", f"{name}{signature}, which cannot take (module, fqn)",
-            "a callable fn(module, fqn) -> bool: the module, then its name as "
-            "model.named_modules() spells it", fix,
-        ) from None
-
-
-def _named_pairs(
-    lookup: dict[str, nn.Module], names: list[tuple[str, str]]
-) -> list[_Pair]:
+def _named_pairs(lookup: dict[str, nn.Module], names: list[tuple[str, str]]) -> list[_Pair]:
     """Resolve the user's pairs; a name that is wrong is an error whatever on_unsupported says."""
     pairs: list[_Pair] = []
     used: dict[int, tuple[str, str]] = {}
@@ -103,8 +51,10 @@ def _named_pairs(
         for name in (norm_name, linear_name):
             if name not in lookup:
                 raise ConversionError(
-                    name, "no module of that name in the model",
-                    "a name from model.named_modules()", "Check the layernorm_linear pair "
+                    name,
+                    "no module of that name in the model",
+                    "a name from model.named_modules()",
+                    "Check the layernorm_linear pair "
                     f"({norm_name!r}, {linear_name!r}) against print(model).",
                 )
         norm, linear = lookup[norm_name], lookup[linear_name]
@@ -112,17 +62,19 @@ def _named_pairs(
         if problem is not None:
             swapped = rules.pair_problem(linear, norm) is None
             raise ConversionError(
-                f"({norm_name}, {linear_name})", problem,
+                f"({norm_name}, {linear_name})",
+                problem,
                 "a (norm name, linear name) pair: exactly an nn.LayerNorm or nn.RMSNorm, then "
                 "exactly the nn.Linear its output feeds, normalizing its input features",
                 f"Name the norm first: layernorm_linear=[({linear_name!r}, {norm_name!r})]."
-                if swapped else
-                "Name only norm -> linear pairs of matching size in layernorm_linear.",
+                if swapped
+                else "Name only norm -> linear pairs of matching size in layernorm_linear.",
             )
         for name, module in ((norm_name, norm), (linear_name, linear)):
             if id(module) in used:
                 raise ConversionError(
-                    name, f"a module already named in the pair {used[id(module)]}",
+                    name,
+                    f"a module already named in the pair {used[id(module)]}",
                     "each module in at most one layernorm_linear pair",
                     "A norm feeding several linear layers cannot be fused; name one pair "
                     "per norm, or none.",
@@ -156,7 +108,7 @@ def _plan(
     layernorm_linear: Iterable[tuple[str, str]],
     layernorm_linear_sequential: bool,
 ) -> _Plan:
-    names = _check_arguments(model, module_filter_fn, layernorm_linear)
+    names = check_arguments(model, module_filter_fn, layernorm_linear)
     paths: dict[int, list[str]] = {}
     lookup: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -181,24 +133,32 @@ def _plan(
         members = ((pair.norm_name, pair.norm), (pair.linear_name, pair.linear))
         excluded = [name for name, m in members if not wanted(m)]
         problems = [f"{name}: {p}" for name, m in members for p in rules.module_problems(m)]
-        problems += [f"{name} is reachable under {len(paths[id(m)])} names "
-                     f"({', '.join(paths[id(m)])}); a shared module cannot be fused"
-                     for name, m in members if len(paths[id(m)]) > 1]
+        problems += [
+            f"{name} is reachable under {len(paths[id(m)])} names "
+            f"({', '.join(paths[id(m)])}); a shared module cannot be fused"
+            for name, m in members
+            if len(paths[id(m)]) > 1
+        ]
         if excluded:
             reason = f"module_filter_fn excluded {', '.join(excluded)}"
-            pair_decisions.append(PairDecision(pair.norm_name, pair.linear_name, False,
-                                               reason, filtered=True))
+            pair_decisions.append(
+                PairDecision(pair.norm_name, pair.linear_name, False, reason, filtered=True)
+            )
         elif problems:
-            pair_decisions.append(PairDecision(pair.norm_name, pair.linear_name, False,
-                                               "; ".join(problems)))
+            pair_decisions.append(
+                PairDecision(pair.norm_name, pair.linear_name, False, "; ".join(problems))
+            )
         else:
             pair_decisions.append(PairDecision(pair.norm_name, pair.linear_name, True))
             plan.fused.append(pair)
-            fused_role[id(pair.norm)] = ("torch.nn.Identity",
-                                         f"fused into {pair.linear_name} "
-                                         f"(fp8state.LayerNormLinear)")
-            fused_role[id(pair.linear)] = ("fp8state.LayerNormLinear",
-                                           f"fused with the norm {pair.norm_name}")
+            fused_role[id(pair.norm)] = (
+                "torch.nn.Identity",
+                f"fused into {pair.linear_name} (fp8state.LayerNormLinear)",
+            )
+            fused_role[id(pair.linear)] = (
+                "fp8state.LayerNormLinear",
+                f"fused with the norm {pair.norm_name}",
+            )
 
     decisions = []
     for name, module in model.named_modules():  # each module once, under its first name
@@ -209,17 +169,22 @@ def _plan(
             target, reason = fused_role[id(module)]
             decisions.append(ModuleDecision(name, kind, "fuse", target, reason))
         elif not rules.is_swappable_type(module):
-            decisions.append(ModuleDecision(name, kind, "subclass", "",
-                                            rules.subclass_reason(module)))
+            decisions.append(
+                ModuleDecision(name, kind, "subclass", "", rules.subclass_reason(module))
+            )
         elif not wanted(module):
-            decisions.append(ModuleDecision(name, kind, "filtered", "",
-                                            "module_filter_fn returned False"))
+            decisions.append(
+                ModuleDecision(name, kind, "filtered", "", "module_filter_fn returned False")
+            )
         elif problems := rules.module_problems(module):
             decisions.append(ModuleDecision(name, kind, "unsupported", "", "; ".join(problems)))
         else:
             target = rules.SWAPPABLE[type(module)]
-            decisions.append(ModuleDecision(name, kind, "convert", target,
-                                            f"becomes {target} with the same Parameters"))
+            decisions.append(
+                ModuleDecision(
+                    name, kind, "convert", target, f"becomes {target} with the same Parameters"
+                )
+            )
             plan.swaps.append(module)
     plan.report = ConversionReport(tuple(decisions), tuple(pair_decisions))
     return plan
@@ -227,10 +192,16 @@ def _plan(
 
 def _unsupported_error(report: ConversionReport) -> ConversionError:
     """``on_unsupported="raise"``: each module (or pair) by name first, then its reason."""
-    failed = [(d.name, f"a {d.module_type} that cannot be converted: {d.reason}")
-              for d in report if d.action == "unsupported"]
-    failed += [(f"({p.norm}, {p.linear})", f"a pair that cannot be fused: {p.reason}")
-               for p in report.pairs if not p.fused and not p.filtered]
+    failed = [
+        (d.name, f"a {d.module_type} that cannot be converted: {d.reason}")
+        for d in report
+        if d.action == "unsupported"
+    ]
+    failed += [
+        (f"({p.norm}, {p.linear})", f"a pair that cannot be fused: {p.reason}")
+        for p in report.pairs
+        if not p.fused and not p.filtered
+    ]
     names = [name for name, _ in failed]
     key = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
     if len(failed) == 1:
@@ -238,7 +209,9 @@ def _unsupported_error(report: ConversionReport) -> ConversionError:
     else:
         found = f"{len(failed)} modules or pairs that cannot be converted"
     err = ConversionError(
-        key, found, "modules fp8state's FP8 modules can stand in for",
+        key,
+        found,
+        "modules fp8state's FP8 modules can stand in for",
         "Nothing was changed. Exclude them with module_filter_fn (it gets the module and "
         "its name), or pass on_unsupported='skip' to leave them in high precision.",
     )
@@ -340,9 +313,11 @@ def convert_model(
         >>> model[1].weight is weight
         True
     """
-    if on_unsupported not in _ON_UNSUPPORTED:
+    if on_unsupported not in ON_UNSUPPORTED:
         raise ConfigError(
-            "on_unsupported", repr(on_unsupported), f"one of {_ON_UNSUPPORTED}",
+            "on_unsupported",
+            repr(on_unsupported),
+            f"one of {ON_UNSUPPORTED}",
             "Pass 'skip' to leave such modules in high precision, or 'raise'.",
         )
     plan = _plan(model, module_filter_fn, layernorm_linear, layernorm_linear_sequential)

@@ -61,7 +61,8 @@ def fp8_linear(
     """
     if not 0 <= gemm < module.fp8_num_gemms:
         raise ConfigError(
-            f"fp8_linear(gemm={gemm})", f"GEMM index {gemm}",
+            f"fp8_linear(gemm={gemm})",
+            f"GEMM index {gemm}",
             f"0 <= gemm < {module.fp8_num_gemms} (the module's num_gemms)",
             "Declare enough GEMMs in init_fp8_meta(num_gemms=...).",
         )

@@ -64,13 +64,15 @@ def linear(
         set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
         return F.linear(inp, weight, bias)
     autocast.register_forward(module, ctx)
-    out = _FP8Linear.apply(as_2d(inp), weight, bias, module, gemm, ctx, backend,
-                           is_first_microbatch)
+    out = _FP8Linear.apply(
+        as_2d(inp), weight, bias, module, gemm, ctx, backend, is_first_microbatch
+    )
     return like_input(out, inp)
 
 
-def fp8_backend(module: FP8StateMixin, ctx: autocast.FP8Context, inp: torch.Tensor,
-                macs: int) -> str | None:
+def fp8_backend(
+    module: FP8StateMixin, ctx: autocast.FP8Context, inp: torch.Tensor, macs: int
+) -> str | None:
     """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
     backend = resolve_backend(ctx.gemm_backend, inp.device)
     return None if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs) else backend
@@ -109,9 +111,19 @@ def _cast_slot(
     new_step = module.fp8_open_record(direction)
     # The inverse scale comes back as a copy: the live one changes when the step ends,
     # before backward runs.
-    return cast_slot(x.contiguous(), scale, scale_inv, hist, slot, fp8_dtype,
-                     transpose=transpose, new_step=new_step, column_sums=column_sums, op=op,
-                     aux=aux)
+    return cast_slot(
+        x.contiguous(),
+        scale,
+        scale_inv,
+        hist,
+        slot,
+        fp8_dtype,
+        transpose=transpose,
+        new_step=new_step,
+        column_sums=column_sums,
+        op=op,
+        aux=aux,
+    )
 
 
 def _cast_weight(
@@ -157,8 +169,14 @@ class _FP8Linear(torch.autograd.Function):
             module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch
         )
         out, used = fp8_gemm(
-            inp_fp8, inp_scale_inv, weight_fp8.t(), weight_scale_inv, inp_2d.dtype, backend,
-            bias=bias, fast_accum=True,  # forward only, as TE (see fp8_gemm)
+            inp_fp8,
+            inp_scale_inv,
+            weight_fp8.t(),
+            weight_scale_inv,
+            inp_2d.dtype,
+            backend,
+            bias=bias,
+            fast_accum=True,  # forward only, as TE (see fp8_gemm)
         )
         set_plain_attr(module, "fp8_last_gemm_backend", used)
         # Only what backward multiplies with, in the layout it needs: FP8, not the input.
@@ -178,19 +196,32 @@ class _FP8Linear(torch.autograd.Function):
         autocast.register_backward(module, fp8_ctx)
         need_bias = ctx.bias_dtype is not None and need_bgrad
         grad_fp8, grad_fp8_t, grad_scale_inv, grad_sums = _cast_slot(
-            module, "bwd", bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT), grad_out,
-            fp8_ctx.recipe.fp8_format.dtype("bwd"), need_wgrad, column_sums=need_bias,
+            module,
+            "bwd",
+            bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT),
+            grad_out,
+            fp8_ctx.recipe.fp8_format.dtype("bwd"),
+            need_wgrad,
+            column_sums=need_bias,
         )
         grad_inp = grad_weight = grad_bias = None
         if need_dgrad:  # (M, N) @ (N, K); weight_fp8_t.t() is (N, K) column-major
             grad_inp, _ = fp8_gemm(
-                grad_fp8, grad_scale_inv, weight_fp8_t.t(), weight_scale_inv, ctx.inp_dtype,
+                grad_fp8,
+                grad_scale_inv,
+                weight_fp8_t.t(),
+                weight_scale_inv,
+                ctx.inp_dtype,
                 ctx.backend,
             )
         if need_wgrad:  # (N, M) @ (M, K); inp_fp8_t.t() is (M, K) column-major
             assert grad_fp8_t is not None  # cast with transpose=need_wgrad
             grad_weight, _ = fp8_gemm(
-                grad_fp8_t, grad_scale_inv, inp_fp8_t.t(), inp_scale_inv, ctx.weight_dtype,
+                grad_fp8_t,
+                grad_scale_inv,
+                inp_fp8_t.t(),
+                inp_scale_inv,
+                ctx.weight_dtype,
                 ctx.backend,
             )
         if need_bias:

@@ -63,14 +63,24 @@ def gelu_mlp(
     if ctx is None or not ctx.enabled:
         return None
     tokens = inp.numel() // inp.shape[-1]
-    smallest = tokens * min(fc1_weight.shape[0] * fc1_weight.shape[1],
-                            fc2_weight.shape[0] * fc2_weight.shape[1])
+    smallest = tokens * min(
+        fc1_weight.shape[0] * fc1_weight.shape[1], fc2_weight.shape[0] * fc2_weight.shape[1]
+    )
     backend = fp8_backend(module, ctx, inp, smallest)
     if backend is None:
         return None
     autocast.register_forward(module, ctx)
-    out = _FP8GeluMLP.apply(as_2d(inp), fc1_weight, fc1_bias, fc2_weight, fc2_bias, module,
-                            ctx, backend, is_first_microbatch)
+    out = _FP8GeluMLP.apply(
+        as_2d(inp),
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        module,
+        ctx,
+        backend,
+        is_first_microbatch,
+    )
     return like_input(out, inp)
 
 
@@ -94,25 +104,40 @@ class _FP8GeluMLP(torch.autograd.Function):
         # GELU's input gradient is needed for everything upstream of fc2's output.
         need_chain = needs[0] or needs[1] or needs[2]
         x_fp8, x_fp8_t, x_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1)
-        w1_fp8, w1_fp8_t, w1_inv = _cast_weight(module, fc1_weight, 0, dtype, needs[0],
-                                                is_first_microbatch)
-        h, _ = fp8_gemm(x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias,
-                        fast_accum=True)
+            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1
+        )
+        w1_fp8, w1_fp8_t, w1_inv = _cast_weight(
+            module, fc1_weight, 0, dtype, needs[0], is_first_microbatch
+        )
+        h, _ = fp8_gemm(
+            x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias, fast_accum=True
+        )
         del x_fp8
         # No transposed copy from this cast either: with GELU's arithmetic in the same pass,
         # transposed stores slow it down more than a one-byte transpose afterwards costs
         # (docs/benchmarks.md).
         a_fp8, _, a_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu")
+            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu"
+        )
         a_fp8_t = transpose_fp8(a_fp8) if need_w2 else None
-        w2_fp8, w2_fp8_t, w2_inv = _cast_weight(module, fc2_weight, 1, dtype, need_chain,
-                                                is_first_microbatch)
-        out, used = fp8_gemm(a_fp8, a_inv, w2_fp8.t(), w2_inv, inp.dtype, backend,
-                             bias=fc2_bias, fast_accum=True)
+        w2_fp8, w2_fp8_t, w2_inv = _cast_weight(
+            module, fc2_weight, 1, dtype, need_chain, is_first_microbatch
+        )
+        out, used = fp8_gemm(
+            a_fp8, a_inv, w2_fp8.t(), w2_inv, inp.dtype, backend, bias=fc2_bias, fast_accum=True
+        )
         set_plain_attr(module, "fp8_last_gemm_backend", used)
-        tensors = [x_fp8_t, w1_fp8_t, h if need_chain else None, a_fp8_t, w2_fp8_t,
-                   x_inv, w1_inv, a_inv, w2_inv]
+        tensors = [
+            x_fp8_t,
+            w1_fp8_t,
+            h if need_chain else None,
+            a_fp8_t,
+            w2_fp8_t,
+            x_inv,
+            w1_inv,
+            a_inv,
+            w2_inv,
+        ]
         ctx.from_hooks = _saved_tensors_hooks_active()
         if ctx.from_hooks:
             # Offloading or recomputation hooks (save_on_cpu, checkpointing) must see them.
@@ -125,9 +150,13 @@ class _FP8GeluMLP(torch.autograd.Function):
             # backward returns (h alone is tokens x ffn in high precision).
             ctx.tensors = tensors
         ctx.module, ctx.fp8_ctx, ctx.backend, ctx.need_chain = module, fp8_ctx, backend, need_chain
-        ctx.dtypes = (inp.dtype, fc1_weight.dtype, fc2_weight.dtype,
-                      None if fc1_bias is None else fc1_bias.dtype,
-                      None if fc2_bias is None else fc2_bias.dtype)
+        ctx.dtypes = (
+            inp.dtype,
+            fc1_weight.dtype,
+            fc2_weight.dtype,
+            None if fc1_bias is None else fc1_bias.dtype,
+            None if fc2_bias is None else fc2_bias.dtype,
+        )
         return out
 
     @staticmethod
@@ -137,8 +166,9 @@ class _FP8GeluMLP(torch.autograd.Function):
             ctx.tensors = list(ctx.saved_tensors)
         if ctx.tensors is None:
             raise ConfigError(
-                f"{type(ctx.module).__name__} (fused GELU path)", "a second backward pass "
-                "through the same graph (retain_graph=True)", "one backward per forward",
+                f"{type(ctx.module).__name__} (fused GELU path)",
+                "a second backward pass through the same graph (retain_graph=True)",
+                "one backward per forward",
                 "Set module.fp8_fuse_activation = False for graphs you backpropagate through "
                 "more than once.",
             )
@@ -151,8 +181,14 @@ class _FP8GeluMLP(torch.autograd.Function):
         autocast.register_backward(module, fp8_ctx)
         need_b2 = b2_dtype is not None and needs[4]
         g_fp8, g_fp8_t, g_inv, g_sums = _cast_slot(
-            module, "bwd", bwd_slot(1, BwdSlot.GRAD_OUTPUT), grad_out, bwd_dtype, needs[3],
-            column_sums=need_b2)
+            module,
+            "bwd",
+            bwd_slot(1, BwdSlot.GRAD_OUTPUT),
+            grad_out,
+            bwd_dtype,
+            needs[3],
+            column_sums=need_b2,
+        )
         grads: list[torch.Tensor | None] = [None] * 9
         if needs[3]:  # fc2 weight: (hidden, M) @ (M, ffn)
             assert g_fp8_t is not None  # cast with transpose=needs[3]
@@ -170,8 +206,16 @@ class _FP8GeluMLP(torch.autograd.Function):
         # and fc2's input gradient would set the block's peak memory. The transpose is made
         # from the FP8 copy once those two are freed (one more pass over one byte per element).
         dh_fp8, _, dh_inv, dh_sums = _cast_slot(
-            module, "bwd", bwd_slot(0, BwdSlot.GRAD_OUTPUT), d_act, bwd_dtype, False,
-            column_sums=need_b1, op="dgelu", aux=h)
+            module,
+            "bwd",
+            bwd_slot(0, BwdSlot.GRAD_OUTPUT),
+            d_act,
+            bwd_dtype,
+            False,
+            column_sums=need_b1,
+            op="dgelu",
+            aux=h,
+        )
         del d_act, h
         if needs[0]:  # input: (M, ffn) @ (ffn, hidden)
             grads[0], _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)

@@ -38,7 +38,8 @@ def recipe_dict(recipe: DelayedScaling | None) -> dict[str, Any] | None:
     if recipe is None:
         return None
     return {
-        "fp8_format": recipe.fp8_format.name, "margin": recipe.margin,
+        "fp8_format": recipe.fp8_format.name,
+        "margin": recipe.margin,
         "amax_history_len": recipe.amax_history_len,
         "amax_compute_algo": recipe.amax_compute_algo,
     }
@@ -83,11 +84,18 @@ class EntryReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (no tensors)."""
         return {
-            "key": self.key, "action": self.action, "era": self.era,
-            "container": self.container, "num_gemms": self.num_gemms, "rows": self.rows,
-            "recipe": recipe_dict(self.recipe), "recipe_source": self.recipe_source,
-            "defaulted_recipe_fields": list(self.defaulted), "notes": list(self.notes),
-            "error": self.error, "saved_locations": list(self.locations),
+            "key": self.key,
+            "action": self.action,
+            "era": self.era,
+            "container": self.container,
+            "num_gemms": self.num_gemms,
+            "rows": self.rows,
+            "recipe": recipe_dict(self.recipe),
+            "recipe_source": self.recipe_source,
+            "defaulted_recipe_fields": list(self.defaulted),
+            "notes": list(self.notes),
+            "error": self.error,
+            "saved_locations": list(self.locations),
             "te_slots": None if self.te_slots is None else list(self.te_slots),
         }
 
@@ -137,8 +145,10 @@ class MigrationReport:
         counts = self.counts()
         actions = (CONVERTED, KEPT, DEFAULTED, DROPPED, FAILED)
         done = ", ".join(f"{counts[a]} {a}" for a in actions if counts.get(a))
-        return (f"{self.source}: {len(self.entries)} extra states ({done or 'none'}); "
-                f"{self.other_tensors} other tensors unchanged")
+        return (
+            f"{self.source}: {len(self.entries)} extra states ({done or 'none'}); "
+            f"{self.other_tensors} other tensors unchanged"
+        )
 
     def format_text(self) -> str:
         """The report as text: one line per entry, then the summary."""
@@ -149,7 +159,10 @@ class MigrationReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
         return {
-            "source": self.source, "strict": self.strict, "state_dicts": self.state_dicts,
-            "counts": self.counts(), "other_tensors": self.other_tensors,
+            "source": self.source,
+            "strict": self.strict,
+            "state_dicts": self.state_dicts,
+            "counts": self.counts(),
+            "other_tensors": self.other_tensors,
             "entries": [e.to_dict() for e in self.entries],
         }

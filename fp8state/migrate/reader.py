@@ -59,13 +59,17 @@ def _check_archive(file: IO[bytes], name: str) -> None:
                 records = [n.split("/", 1)[-1] for n in archive.namelist()]
         except (zipfile.BadZipFile, EOFError, ValueError) as err:
             raise LegacyFormatError(
-                name, f"a damaged zip archive ({err})", "a complete torch.save archive",
+                name,
+                f"a damaged zip archive ({err})",
+                "a complete torch.save archive",
                 "The file is truncated or corrupt; copy it again from its source.",
             ) from None
         if "constants.pkl" in records:
             raise UnsafeCheckpointError(
-                name, "a TorchScript archive (torch.load would run it with torch.jit.load)",
-                "a torch.save checkpoint", "Export a state dict with torch.save(model.state_dict())"
+                name,
+                "a TorchScript archive (torch.load would run it with torch.jit.load)",
+                "a torch.save checkpoint",
+                "Export a state dict with torch.save(model.state_dict())"
                 " from the TorchScript model and migrate that.",
             )
     finally:

@@ -62,28 +62,41 @@ class ModuleRow:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
         return {
-            "module": self.module, "era": self.era, "container": self.container,
+            "module": self.module,
+            "era": self.era,
+            "container": self.container,
             "slots": {"fwd": self.slots[0], "bwd": self.slots[1]},
-            "te_slots": None if self.te_slots is None else {
-                "fwd": self.te_slots[0], "bwd": self.te_slots[1]},
+            "te_slots": None
+            if self.te_slots is None
+            else {"fwd": self.te_slots[0], "bwd": self.te_slots[1]},
             "history_rows": self.rows,
-            "scale_range": self.scale_range, "amax_range": self.amax_range,
-            "recipe": self.recipe, "recipe_source": self.recipe_source,
+            "scale_range": self.scale_range,
+            "amax_range": self.amax_range,
+            "recipe": self.recipe,
+            "recipe_source": self.recipe_source,
             "defaulted_recipe_fields": list(self.defaulted),
-            "saved_locations": list(self.saved_locations), "loads_onto": LOADS_ONTO,
+            "saved_locations": list(self.saved_locations),
+            "loads_onto": LOADS_ONTO,
         }
 
     def cells(self) -> list[str]:
         """Table cells, in :data:`_HEADER` order."""
         r = self.recipe
-        recipe = (f"{r['fp8_format']} m={r['margin']} len={r['amax_history_len']} "
-                  f"{r['amax_compute_algo']}" + (" (defaults)" if self.defaulted else ""))
+        recipe = (
+            f"{r['fp8_format']} m={r['margin']} len={r['amax_history_len']} "
+            f"{r['amax_compute_algo']}" + (" (defaults)" if self.defaulted else "")
+        )
         slots = f"{self.slots[0]}/{self.slots[1]}"
         if self.te_slots is not None:
             slots = f"{self.te_slots[0]}/{self.te_slots[1]}->{slots}"
         return [
-            self.module, self.era, slots, str(self.rows),
-            _fmt_range(self.scale_range), _fmt_range(self.amax_range), recipe,
+            self.module,
+            self.era,
+            slots,
+            str(self.rows),
+            _fmt_range(self.scale_range),
+            _fmt_range(self.amax_range),
+            recipe,
             ",".join(self.saved_locations) or "-",
         ]
 
@@ -103,11 +116,18 @@ class CheckpointSummary:
     def to_dict(self) -> dict[str, Any]:
         """The JSON document ``fp8state inspect --json`` prints."""
         return {
-            "source": self.source, "state_dicts": self.state_dicts, "loads_onto": LOADS_ONTO,
+            "source": self.source,
+            "state_dicts": self.state_dicts,
+            "loads_onto": LOADS_ONTO,
             "modules": [row.to_dict() for row in self.rows],
             "without_fp8_state": [
-                {"key": e.key, "era": e.era, "container": e.container,
-                 "migrate_action": e.action, "notes": list(e.notes)}
+                {
+                    "key": e.key,
+                    "era": e.era,
+                    "container": e.container,
+                    "migrate_action": e.action,
+                    "notes": list(e.notes),
+                }
                 for e in self.without_state
             ],
         }
@@ -116,10 +136,14 @@ class CheckpointSummary:
         """A fixed-width table, then one line about entries without FP8 state."""
         table = [_HEADER] + [row.cells() for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(_HEADER))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-                 for line in table]
-        lines.append(f"{len(self.rows)} FP8 module(s) in {self.source}; fp8state reads every "
-                     f"tensor onto {LOADS_ONTO}, then onto the loading module's device.")
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in table
+        ]
+        lines.append(
+            f"{len(self.rows)} FP8 module(s) in {self.source}; fp8state reads every "
+            f"tensor onto {LOADS_ONTO}, then onto the loading module's device."
+        )
         if self.without_state:
             names = ", ".join(e.key for e in self.without_state)
             lines.append(f"{len(self.without_state)} extra state(s) without FP8 state: {names}")
@@ -130,19 +154,25 @@ def _row(entry: rpt.EntryReport) -> ModuleRow:
     payload = entry.payload
     assert payload is not None and entry.recipe is not None
     scales = torch.cat([payload["fwd.scale"], payload["bwd.scale"]])
-    amaxes = torch.cat([payload["fwd.amax_history"].reshape(-1),
-                        payload["bwd.amax_history"].reshape(-1)])
+    amaxes = torch.cat(
+        [payload["fwd.amax_history"].reshape(-1), payload["bwd.amax_history"].reshape(-1)]
+    )
     recipe = rpt.recipe_dict(entry.recipe)
     assert recipe is not None
     key = entry.key.rsplit("/", 1)[-1]
     slots = (int(payload["fwd.scale"].numel()), int(payload["bwd.scale"].numel()))
     return ModuleRow(
-        module=key[: -len("_extra_state")].rstrip(".") or "<root>", era=entry.era,
+        module=key[: -len("_extra_state")].rstrip(".") or "<root>",
+        era=entry.era,
         container=entry.container,
-        slots=slots, te_slots=None if entry.te_slots in (None, slots) else entry.te_slots,
-        rows=int(payload["fwd.amax_history"].shape[0]), scale_range=_range(scales),
-        amax_range=_range(amaxes[amaxes > 0]), recipe=recipe,
-        recipe_source=entry.recipe_source, defaulted=entry.defaulted,
+        slots=slots,
+        te_slots=None if entry.te_slots in (None, slots) else entry.te_slots,
+        rows=int(payload["fwd.amax_history"].shape[0]),
+        scale_range=_range(scales),
+        amax_range=_range(amaxes[amaxes > 0]),
+        recipe=recipe,
+        recipe_source=entry.recipe_source,
+        defaulted=entry.defaulted,
         saved_locations=entry.locations,
     )
 

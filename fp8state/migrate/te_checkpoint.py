@@ -85,7 +85,8 @@ def infer_num_gemms(members: Mapping[str, Any]) -> int | None:
     if grouped:
         return len(grouped)
     matrices = [
-        n for n, v in members.items()
+        n
+        for n, v in members.items()
         if (n == "weight" or n.endswith("_weight")) and n != "layer_norm_weight" and _is_matrix(v)
     ]
     if matrices or "layer_norm_weight" in members:
@@ -120,16 +121,34 @@ def _convert_entry(
     if isinstance(value, Mapping) and "schema_version" in value:
         state = unpack(value, num_gemms=gemms)
         entry = rpt.EntryReport(
-            label, rpt.KEPT, "fp8state schema v1", "dict", state.num_gemms, state.rows,
-            state.recipe, "checkpoint", locations=tuple(sorted(saved)), payload=dict(value),
+            label,
+            rpt.KEPT,
+            "fp8state schema v1",
+            "dict",
+            state.num_gemms,
+            state.rows,
+            state.recipe,
+            "checkpoint",
+            locations=tuple(sorted(saved)),
+            payload=dict(value),
         )
         return value, entry
     decoded = decode_te_value(value, num_gemms=gemms)
     saved |= decoded.locations
     entry = rpt.EntryReport(
-        label, rpt.CONVERTED, decoded.era, decoded.container, decoded.num_gemms, decoded.rows,
-        decoded.recipe, decoded.recipe_source, decoded.defaulted, decoded.notes,
-        locations=tuple(sorted(saved)), te_slots=decoded.te_slots, payload=decoded.payload,
+        label,
+        rpt.CONVERTED,
+        decoded.era,
+        decoded.container,
+        decoded.num_gemms,
+        decoded.rows,
+        decoded.recipe,
+        decoded.recipe_source,
+        decoded.defaulted,
+        decoded.notes,
+        locations=tuple(sorted(saved)),
+        te_slots=decoded.te_slots,
+        payload=decoded.payload,
     )
     if decoded.payload is not None:
         return decoded.payload, entry
@@ -143,8 +162,13 @@ def _convert_entry(
 
 
 def _convert(
-    state_dict: Mapping[str, Any], *, strict: bool, where: str, report: rpt.MigrationReport,
-    progress: Progress | None, location_of: LocationOf | None,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    where: str,
+    report: rpt.MigrationReport,
+    progress: Progress | None,
+    location_of: LocationOf | None,
 ) -> Mapping[str, Any]:
     groups = _members(state_dict)
     out: OrderedDict[str, Any] | dict[str, Any] = (
@@ -181,8 +205,10 @@ def _copy_attributes(src: object, dst: Mapping[Any, Any]) -> None:
 
 
 def _looks_like_state_dict(obj: Mapping[Any, Any]) -> bool:
-    return bool(obj) and all(isinstance(k, str) for k in obj) and any(
-        isinstance(v, torch.Tensor) or is_extra_state_key(k) for k, v in obj.items()
+    return (
+        bool(obj)
+        and all(isinstance(k, str) for k in obj)
+        and any(isinstance(v, torch.Tensor) or is_extra_state_key(k) for k, v in obj.items())
     )
 
 
@@ -224,8 +250,9 @@ def convert_te_state_dict(
         <All keys matched successfully>
     """
     report = rpt.MigrationReport("<state dict>", strict, [""])
-    out = _convert(state_dict, strict=strict, where="", report=report, progress=progress,
-                   location_of=None)
+    out = _convert(
+        state_dict, strict=strict, where="", report=report, progress=progress, location_of=None
+    )
     return out, report
 
 
@@ -249,15 +276,22 @@ def convert_read_checkpoint(
             targets = [""]
     if not targets:
         raise LegacyFormatError(
-            read.source, f"a {type(obj).__name__} with no state dict in it",
+            read.source,
+            f"a {type(obj).__name__} with no state dict in it",
             "a state dict, or a dict holding one under 'model', 'state_dict' or 'module'",
             "Save the model's state_dict() (as TE users do) and convert that file.",
         )
     report.state_dicts = targets
 
     def convert(state_dict: Mapping[str, Any], where: str) -> Mapping[str, Any]:
-        return _convert(state_dict, strict=strict, where=where, report=report,
-                        progress=progress, location_of=read.location_of)
+        return _convert(
+            state_dict,
+            strict=strict,
+            where=where,
+            report=report,
+            progress=progress,
+            location_of=read.location_of,
+        )
 
     if targets == [""]:
         return convert(obj, ""), report
@@ -269,7 +303,9 @@ def convert_read_checkpoint(
 
 
 def migrate_te_checkpoint(
-    source: str | os.PathLike[str] | IO[bytes], *, strict: bool = True,
+    source: str | os.PathLike[str] | IO[bytes],
+    *,
+    strict: bool = True,
     progress: Progress | None = None,
 ) -> tuple[Any, rpt.MigrationReport]:
     """Read a TE (or fp8state) checkpoint safely onto the CPU and convert it, with a report.

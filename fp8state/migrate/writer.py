@@ -41,8 +41,10 @@ def save_atomically(obj: Any, path: str | os.PathLike[str]) -> None:
         except Exception as err:
             what = refused_global(err) or " ".join(str(err).split())[:160]
             raise CheckpointError(
-                path, f"a converted checkpoint holding {what}, which torch.load(weights_only="
-                "True) refuses", "only tensors, plain containers and scalars",
+                path,
+                f"a converted checkpoint holding {what}, which torch.load(weights_only="
+                "True) refuses",
+                "only tensors, plain containers and scalars",
                 "Remove that entry (e.g. objects saved beside the state dict) and convert again.",
             ) from None
         os.replace(tmp, path)

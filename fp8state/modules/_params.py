@@ -27,7 +27,9 @@ def check_normalization(module_name: str, normalization: str) -> None:
     """Raise ConfigError unless ``normalization`` is ``"LayerNorm"`` or ``"RMSNorm"``."""
     if normalization not in NORMALIZATIONS:
         raise ConfigError(
-            f"{module_name}(normalization=...)", repr(normalization), f"one of {NORMALIZATIONS}",
+            f"{module_name}(normalization=...)",
+            repr(normalization),
+            f"one of {NORMALIZATIONS}",
             "Pass normalization='LayerNorm' or 'RMSNorm' (TE's spelling).",
         )
 

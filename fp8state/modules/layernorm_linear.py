@@ -86,9 +86,7 @@ class LayerNormLinear(FP8StateMixin):
         normed = normalize(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
-        out = _fp8_linear.linear(
-            self, normed, self.weight, self.bias, 0, is_first_microbatch
-        )
+        out = _fp8_linear.linear(self, normed, self.weight, self.bias, 0, is_first_microbatch)
         return (out, normed) if self.return_layernorm_output else out
 
     def extra_repr(self) -> str:

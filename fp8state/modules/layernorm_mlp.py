@@ -89,7 +89,9 @@ class LayerNormMLP(FP8StateMixin):
         check_normalization("LayerNormMLP", normalization)
         if activation not in ACTIVATIONS:
             raise ConfigError(
-                "LayerNormMLP(activation=...)", repr(activation), f"one of {ACTIVATIONS}",
+                "LayerNormMLP(activation=...)",
+                repr(activation),
+                f"one of {ACTIVATIONS}",
                 "Pass one of TE's activation names.",
             )
         self.hidden_size = hidden_size
@@ -127,15 +129,26 @@ class LayerNormMLP(FP8StateMixin):
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )
         if self.activation == "gelu" and self.fp8_fuse_activation:
-            out = _fp8_mlp.gelu_mlp(self, normed, self.fc1_weight, self.fc1_bias,
-                                    self.fc2_weight, self.fc2_bias, is_first_microbatch)
+            out = _fp8_mlp.gelu_mlp(
+                self,
+                normed,
+                self.fc1_weight,
+                self.fc1_bias,
+                self.fc2_weight,
+                self.fc2_bias,
+                is_first_microbatch,
+            )
             if out is not None:
                 return (out, normed) if self.return_layernorm_output else out
         hidden = _fp8_linear.linear(
             self, normed, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch
         )
         out = _fp8_linear.linear(
-            self, _activate(hidden, self.activation), self.fc2_weight, self.fc2_bias, 1,
+            self,
+            _activate(hidden, self.activation),
+            self.fc2_weight,
+            self.fc2_bias,
+            1,
             is_first_microbatch,
         )
         return (out, normed) if self.return_layernorm_output else out

@@ -50,9 +50,7 @@ class Linear(FP8StateMixin):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = new_param(out_features, in_features, dtype=params_dtype, device=device)
-        self.bias = (
-            new_param(out_features, dtype=params_dtype, device=device) if bias else None
-        )
+        self.bias = new_param(out_features, dtype=params_dtype, device=device) if bias else None
         self.reset_parameters()
         self.init_fp8_meta(num_gemms=1, device=device)
 
@@ -60,17 +58,13 @@ class Linear(FP8StateMixin):
         """Initialize as ``nn.Linear`` does."""
         reset_linear_(self.weight, self.bias)
 
-    def forward(
-        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
-    ) -> torch.Tensor:
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """Apply the layer to ``inp (..., in_features)``.
 
         ``is_first_microbatch`` (TE's argument): None casts the weight to FP8 every call; True
         casts and keeps it; False reuses the kept FP8 weight (later micro-batches of a step).
         """
-        return _fp8_linear.linear(
-            self, inp, self.weight, self.bias, 0, is_first_microbatch
-        )
+        return _fp8_linear.linear(self, inp, self.weight, self.bias, 0, is_first_microbatch)
 
     def extra_repr(self) -> str:
         """Shapes, as ``nn.Linear`` prints them."""

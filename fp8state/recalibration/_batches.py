@@ -33,8 +33,7 @@ def _signature_error(module: nn.Module, batch: Any, err: TypeError) -> ConfigErr
     first = "batch['input']" if isinstance(batch, Mapping) else "batch[0]"
     return ConfigError(
         _WHERE,
-        f"TypeError from {type(module).__name__}.forward ({err}) when passed "
-        f"{_unpacked(batch)}",
+        f"TypeError from {type(module).__name__}.forward ({err}) when passed {_unpacked(batch)}",
         "batches whose items are the model's forward arguments, or a forward_fn",
         f"If a batch also holds targets (a DataLoader of (input, target) pairs), pass "
         f"forward_fn=lambda model, batch: model({first}) (or whatever calls the model on the "
@@ -42,8 +41,9 @@ def _signature_error(module: nn.Module, batch: Any, err: TypeError) -> ConfigErr
     )
 
 
-def forward_batch(module: nn.Module, batch: Any,
-                  forward_fn: Callable[[nn.Module, Any], Any] | None) -> Any:
+def forward_batch(
+    module: nn.Module, batch: Any, forward_fn: Callable[[nn.Module, Any], Any] | None
+) -> Any:
     """Run ``module`` on ``batch``: through ``forward_fn``, or unpacking the batch.
 
     Returns:
@@ -64,7 +64,8 @@ def forward_batch(module: nn.Module, batch: Any,
         except TypeError as err:
             raise _signature_error(module, batch, err) from err
     raise ConfigError(
-        _WHERE, f"a batch of type {type(batch).__name__}",
+        _WHERE,
+        f"a batch of type {type(batch).__name__}",
         "a tensor, a tuple/list of positional arguments or a dict of keyword arguments",
         "Pass forward_fn=lambda model, batch: model(...) to say how a batch reaches the model.",
     )

@@ -64,33 +64,43 @@ class CalibrationReport:
     recipe: DelayedScaling
 
 
-def _resolve_recipe(recipe: DelayedScaling | None, modules: dict[str, FP8StateMixin]
-                    ) -> DelayedScaling:
+def _resolve_recipe(
+    recipe: DelayedScaling | None, modules: dict[str, FP8StateMixin]
+) -> DelayedScaling:
     if recipe is not None:
         if not isinstance(recipe, DelayedScaling):
             raise ConfigError(
-                f"{_WHERE}(fp8_recipe=...)", type(recipe).__name__, "an fp8state.DelayedScaling",
+                f"{_WHERE}(fp8_recipe=...)",
+                type(recipe).__name__,
+                "an fp8state.DelayedScaling",
                 "Build the recipe with fp8state.DelayedScaling.",
             )
         return recipe
     found = {m.fp8_recipe for m in modules.values()}
     if len(found) > 1:
         raise ConfigError(
-            f"{_WHERE}(fp8_recipe=None)", f"FP8 modules with {len(found)} different recipes",
+            f"{_WHERE}(fp8_recipe=None)",
+            f"FP8 modules with {len(found)} different recipes",
             "one recipe shared by every FP8 module, or fp8_recipe given",
             "Pass fp8_recipe=fp8state.DelayedScaling(...): the recipe training will use.",
         )
     return found.pop()
 
 
-def _check_arguments(model: Any, batches: Any, num_batches: int | None, forward_fn: Any,
-                     loss_fn: Any) -> dict[str, FP8StateMixin]:
+def _check_arguments(
+    model: Any, batches: Any, num_batches: int | None, forward_fn: Any, loss_fn: Any
+) -> dict[str, FP8StateMixin]:
     """Every check that needs no batch; returns the model's FP8 modules by name."""
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"{_WHERE}(model=...)", type(model).__name__, "a torch.nn.Module",
-                          "Pass the model whose FP8 modules should be calibrated.")
-    modules = {name: m for name, m in _unwrap(model).named_modules()
-               if isinstance(m, FP8StateMixin)}
+        raise ConfigError(
+            f"{_WHERE}(model=...)",
+            type(model).__name__,
+            "a torch.nn.Module",
+            "Pass the model whose FP8 modules should be calibrated.",
+        )
+    modules = {
+        name: m for name, m in _unwrap(model).named_modules() if isinstance(m, FP8StateMixin)
+    }
     if not modules:
         raise ConfigError(
             f"{_WHERE}(model={type(model).__name__})",
@@ -103,23 +113,35 @@ def _check_arguments(model: Any, batches: Any, num_batches: int | None, forward_
         )
     if isinstance(batches, (torch.Tensor, str, bytes)) or not isinstance(batches, Iterable):
         raise ConfigError(
-            f"{_WHERE}(batches=...)", type(batches).__name__,
+            f"{_WHERE}(batches=...)",
+            type(batches).__name__,
             "an iterable of batches (a list, a DataLoader, a generator)",
             "Wrap a single batch in a list: recalibrate(model, [x]).",
         )
-    if num_batches is not None and (isinstance(num_batches, bool)
-                                    or not isinstance(num_batches, int) or num_batches < 1):
-        raise ConfigError(f"{_WHERE}(num_batches=...)", repr(num_batches), "None or an int >= 1",
-                          "Pass how many batches to take, e.g. num_batches=8.")
+    if num_batches is not None and (
+        isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1
+    ):
+        raise ConfigError(
+            f"{_WHERE}(num_batches=...)",
+            repr(num_batches),
+            "None or an int >= 1",
+            "Pass how many batches to take, e.g. num_batches=8.",
+        )
     for name, fn in (("forward_fn", forward_fn), ("loss_fn", loss_fn)):
         if fn is not None and not callable(fn):
-            raise ConfigError(f"{_WHERE}({name}=...)", type(fn).__name__, "a callable or None",
-                              f"Pass a function as {name}.")
+            raise ConfigError(
+                f"{_WHERE}({name}=...)",
+                type(fn).__name__,
+                "a callable or None",
+                f"Pass a function as {name}.",
+            )
     if autocast._THREAD.stack:
         # Inside an outer context the scales would only update when *it* exits, after
         # recalibrate returned: the calibration would silently not have happened yet.
         raise ConfigError(
-            _WHERE, "a call inside fp8_autocast", "a call outside any fp8_autocast context",
+            _WHERE,
+            "a call inside fp8_autocast",
+            "a call outside any fp8_autocast context",
             "Call recalibrate before entering fp8_autocast (it opens its own contexts).",
         )
     return modules
@@ -134,18 +156,29 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _backward_pass(run: nn.Module, batch: Any, forward_fn: Any, loss_fn: Any,
-                   params: list[torch.nn.Parameter], recipe: DelayedScaling, group: Any) -> None:
+def _backward_pass(
+    run: nn.Module,
+    batch: Any,
+    forward_fn: Any,
+    loss_fn: Any,
+    params: list[torch.nn.Parameter],
+    recipe: DelayedScaling,
+    group: Any,
+) -> None:
     """One FP8 forward and backward; gradients are computed and dropped, ``.grad`` untouched."""
     with torch.enable_grad():
         with autocast.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group):
             out = forward_batch(run, batch, forward_fn)
         loss = loss_fn(out, batch)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-            found = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
-                     if isinstance(loss, torch.Tensor) else type(loss).__name__)
+            found = (
+                f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                if isinstance(loss, torch.Tensor)
+                else type(loss).__name__
+            )
             raise ConfigError(
-                f"{_WHERE}(loss_fn=...)", found,
+                f"{_WHERE}(loss_fn=...)",
+                found,
                 "a one-element tensor that requires grad (the loss of the model's output)",
                 "Return the loss computed from the output, e.g. F.mse_loss(out, batch[1]).",
             )
@@ -240,28 +273,50 @@ def recalibrate(
         iterator = itertools.islice(iterator, num_batches)
     first = next(iterator, _NO_BATCH)
     if first is _NO_BATCH:
-        raise ConfigError(f"{_WHERE}(batches=...)", "no batch", "at least one batch",
-                          "Pass a few batches of representative inputs; nothing was changed.")
+        raise ConfigError(
+            f"{_WHERE}(batches=...)",
+            "no batch",
+            "at least one batch",
+            "Pass a few batches of representative inputs; nothing was changed.",
+        )
     run = _unwrap(model)
     params = [p for p in run.parameters() if p.requires_grad]
     if loss_fn is not None and not params:
-        raise ConfigError(f"{_WHERE}(loss_fn=...)", "no parameter that requires grad",
-                          "a model with trainable parameters",
-                          "Drop loss_fn: a frozen model has no gradients to calibrate for.")
+        raise ConfigError(
+            f"{_WHERE}(loss_fn=...)",
+            "no parameter that requires grad",
+            "a model with trainable parameters",
+            "Drop loss_fn: a frozen model has no gradients to calibrate for.",
+        )
     for m in modules.values():
         m._fp8_ensure_rows(recipe.amax_history_len)  # a longer window grows once, up front
     saved = {name: save(m) for name, m in modules.items()}
     modes = [(m, m.training) for m in run.modules()]
-    cuda = sorted({t.device.index or 0 for t in itertools.chain(run.parameters(), run.buffers())
-                   if t.device.type == "cuda"})
+    cuda = sorted(
+        {
+            t.device.index or 0
+            for t in itertools.chain(run.parameters(), run.buffers())
+            if t.device.type == "cuda"
+        }
+    )
     buffers: list[SavedBuffer] = []
     try:
         if training is not None:
             run.train(training)
         buffers = buffers_to_restore(run)
         with torch.random.fork_rng(devices=cuda):  # dropout draws must not shift training's
-            report = _calibrate(run, modules, itertools.chain([first], iterator), recipe,
-                                fp8_group, forward_fn, loss_fn, params, reset, saved)
+            report = _calibrate(
+                run,
+                modules,
+                itertools.chain([first], iterator),
+                recipe,
+                fp8_group,
+                forward_fn,
+                loss_fn,
+                params,
+                reset,
+                saved,
+            )
     except BaseException:
         for name, fp8_module in modules.items():
             restore(fp8_module, saved[name])
@@ -281,10 +336,18 @@ def recalibrate(
     return report
 
 
-def _calibrate(run: nn.Module, modules: dict[str, FP8StateMixin], batches: Iterator[Any],
-               recipe: DelayedScaling, group: Any, forward_fn: Any, loss_fn: Any,
-               params: list[torch.nn.Parameter], reset: bool, saved: dict[str, Saved]
-               ) -> CalibrationReport:
+def _calibrate(
+    run: nn.Module,
+    modules: dict[str, FP8StateMixin],
+    batches: Iterator[Any],
+    recipe: DelayedScaling,
+    group: Any,
+    forward_fn: Any,
+    loss_fn: Any,
+    params: list[torch.nn.Parameter],
+    reset: bool,
+    saved: dict[str, Saved],
+) -> CalibrationReport:
     """The calibration itself; :func:`recalibrate` checks arguments and restores on error."""
     if reset:
         directions = DIRECTIONS if loss_fn is not None else ("fwd",)
@@ -294,8 +357,10 @@ def _calibrate(run: nn.Module, modules: dict[str, FP8StateMixin], batches: Itera
     kept: list[Any] = []
     count = 0
     # One context for all batches: one step, one amax reduction, one scale update at its exit.
-    with torch.no_grad(), autocast.fp8_autocast(enabled=False, calibrating=True,
-                                                fp8_recipe=recipe, fp8_group=group):
+    with (
+        torch.no_grad(),
+        autocast.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe, fp8_group=group),
+    ):
         for batch in batches:
             forward_batch(run, batch, forward_fn)
             count += 1
@@ -323,5 +388,6 @@ def _calibrate(run: nn.Module, modules: dict[str, FP8StateMixin], batches: Itera
         m.fp8_update_scales("bwd", recipe)
     names = tuple(n for n in modules if n in ran)
     skipped = tuple(n for n in modules if n not in ran)
-    return CalibrationReport(batches=count, modules=names, skipped=skipped,
-                             backward=loss_fn is not None, recipe=recipe)
+    return CalibrationReport(
+        batches=count, modules=names, skipped=skipped, backward=loss_fn is not None, recipe=recipe
+    )

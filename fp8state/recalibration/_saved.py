@@ -17,8 +17,16 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.schema import DirectionState, FP8State
 from fp8state.slots import Direction
 
-__all__ = ["Saved", "save", "restore", "reset", "with_fwd", "SavedBuffer",
-           "buffers_to_restore", "put_back_buffers"]
+__all__ = [
+    "Saved",
+    "save",
+    "restore",
+    "reset",
+    "with_fwd",
+    "SavedBuffer",
+    "buffers_to_restore",
+    "put_back_buffers",
+]
 
 
 @dataclass(frozen=True)
@@ -43,8 +51,9 @@ def restore(module: FP8StateMixin, saved: Saved) -> None:
 
 
 def _fresh(d: DirectionState) -> DirectionState:
-    return DirectionState(torch.zeros_like(d.amax_history), torch.ones_like(d.scale),
-                          torch.ones_like(d.scale_inv))
+    return DirectionState(
+        torch.zeros_like(d.amax_history), torch.ones_like(d.scale), torch.ones_like(d.scale_inv)
+    )
 
 
 def reset(module: FP8StateMixin, directions: tuple[Direction, ...]) -> None:

@@ -33,18 +33,28 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError as err:
         raise ConfigError(
-            "--plot", f"no matplotlib ({err})", "matplotlib, the optional `plot` extra",
+            "--plot",
+            f"no matplotlib ({err})",
+            "matplotlib, the optional `plot` extra",
             f"Install it with {PLOT_EXTRA}, or drop --plot.",
         ) from None
 
 
 def _check_target(path: Path) -> None:
     if path.is_dir():
-        raise ConfigError("--plot", f"{path}, a folder", "a file path such as demo.png",
-                          "Name the PNG file to write.")
+        raise ConfigError(
+            "--plot",
+            f"{path}, a folder",
+            "a file path such as demo.png",
+            "Name the PNG file to write.",
+        )
     if not path.parent.is_dir():
-        raise ConfigError("--plot", f"{path}, in a folder that does not exist",
-                          "a path in an existing folder", f"Create {path.parent} first.")
+        raise ConfigError(
+            "--plot",
+            f"{path}, in a folder that does not exist",
+            "a path in an existing folder",
+            f"Create {path.parent} first.",
+        )
 
 
 def check_plot_path(path: str | os.PathLike[str]) -> Path:
@@ -110,8 +120,14 @@ def demo_figure(result: DemoResult) -> Any:
     resumed_steps = range(half, half + len(result.resumed_losses))
 
     loss_ax.plot(steps, result.losses, color="tab:blue", lw=1.6, label="uninterrupted")
-    loss_ax.plot(resumed_steps, result.resumed_losses, color="tab:orange", lw=1.2, ls="--",
-                 label="resumed from checkpoint")
+    loss_ax.plot(
+        resumed_steps,
+        result.resumed_losses,
+        color="tab:orange",
+        lw=1.2,
+        ls="--",
+        label="resumed from checkpoint",
+    )
     verdict = "bit-identical" if result.resume_exact else "MISMATCH"
     loss_ax.set_title(f"Loss (resume {verdict})")
     _mark_checkpoint(loss_ax, half)
@@ -134,8 +150,10 @@ def demo_figure(result: DemoResult) -> Any:
     scale_ax.set_ylabel("scale = fp8_max / amax")
     scale_ax.legend(loc="best", fontsize="small")
 
-    fig.suptitle(f"fp8state demo: train {result.train_device}, resume {result.resume_device}, "
-                 f"GEMM backend {result.backend}")
+    fig.suptitle(
+        f"fp8state demo: train {result.train_device}, resume {result.resume_device}, "
+        f"GEMM backend {result.backend}"
+    )
     return fig
 
 

@@ -28,8 +28,14 @@ from fp8state.recipe import DelayedScaling
 from fp8state.slots import BwdSlot, Direction, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
-    "DemoConfig", "DemoModel", "DemoResult", "run_demo", "train_steps", "pick_devices",
-    "TRACED_SLOTS", "ScaleTrace",
+    "DemoConfig",
+    "DemoModel",
+    "DemoResult",
+    "run_demo",
+    "train_steps",
+    "pick_devices",
+    "TRACED_SLOTS",
+    "ScaleTrace",
 ]
 
 #: Slots whose scale the demo records after every step: label -> (module, direction, slot).
@@ -146,30 +152,48 @@ def _usable_device(option: str, spec: str) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise ConfigError(option, repr(spec), "a device name such as cpu, cuda or cuda:1",
-                          f"Pass {option} cpu, or leave {option} out for the default.") from None
+        raise ConfigError(
+            option,
+            repr(spec),
+            "a device name such as cpu, cuda or cuda:1",
+            f"Pass {option} cpu, or leave {option} out for the default.",
+        ) from None
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError(option, f"{spec} (device type {device.type})", "cpu or cuda[:N]",
-                          f"The demo runs on the CPU or an NVIDIA GPU: pass {option} cpu.")
+        raise ConfigError(
+            option,
+            f"{spec} (device type {device.type})",
+            "cpu or cuda[:N]",
+            f"The demo runs on the CPU or an NVIDIA GPU: pass {option} cpu.",
+        )
     if device.type == "cpu":
         return device
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
-               else "torch.cuda.is_available() is False (no GPU visible)")
+        why = (
+            "this PyTorch build has no CUDA support"
+            if torch.version.cuda is None
+            else "torch.cuda.is_available() is False (no GPU visible)"
+        )
         raise ConfigError(
-            option, f"{spec}, but {why}", "a device this machine has: cpu",
+            option,
+            f"{spec}, but {why}",
+            "a device this machine has: cpu",
             f"Pass {option} cpu, or leave {option} out for the default (a GPU only if there "
             "is one).",
         )
     if (device.index or 0) >= count:
-        raise ConfigError(option, f"{spec}, but this machine has {count} GPU(s)",
-                          f"cuda:0 to cuda:{count - 1}, or cpu", f"Pass one of those as {option}.")
+        raise ConfigError(
+            option,
+            f"{spec}, but this machine has {count} GPU(s)",
+            f"cuda:0 to cuda:{count - 1}, or cpu",
+            f"Pass one of those as {option}.",
+        )
     return device
 
 
-def pick_devices(device: str | None = None, resume_device: str | None = None
-                 ) -> tuple[torch.device, torch.device]:
+def pick_devices(
+    device: str | None = None, resume_device: str | None = None
+) -> tuple[torch.device, torch.device]:
     """Training device (a GPU when there is one) and resume device (another GPU if any).
 
     Raises:
@@ -262,8 +286,14 @@ def run_demo(
         resumed_trace = ScaleTrace(fresh)
         if on_phase is not None:
             on_phase("resume", range(half, cfg.steps))
-        resumed = train_steps(fresh, fresh_opt, cfg, range(half, cfg.steps), resume_device,
-                              _recording(resumed_trace, progress))
+        resumed = train_steps(
+            fresh,
+            fresh_opt,
+            cfg,
+            range(half, cfg.steps),
+            resume_device,
+            _recording(resumed_trace, progress),
+        )
         size = os.path.getsize(path)
     head = model.head
     return DemoResult(
@@ -283,8 +313,9 @@ def run_demo(
     )
 
 
-def _recording(trace: ScaleTrace, progress: Callable[[int, float], None] | None
-               ) -> Callable[[int, float], None]:
+def _recording(
+    trace: ScaleTrace, progress: Callable[[int, float], None] | None
+) -> Callable[[int, float], None]:
     """A step callback that records the traced scales, then reports progress."""
 
     def on_step(step: int, loss: float) -> None:
