@@ -1,9 +1,10 @@
 """The friend interface: what fp8state's runtime may ask of an FP8 module, and nothing more.
 
-:class:`fp8state.FP8StateMixin` implements it (its ``_fp8_*`` methods, listed under "friend
-interface" there); the runtime modules (staging, payload I/O, amax reduction) are typed
-against :class:`FP8Friend`, so they never import the mixin and never touch its private
-attributes. Users need none of it.
+:class:`fp8state.FP8StateMixin` implements it: its public metadata accessors, its
+``_fp8_has_meta`` and the step bookkeeping of :class:`StepBookkeeping`, which it inherits. The
+runtime modules (staging, payload I/O, amax reduction) are typed against :class:`FP8Friend`,
+so they never import the mixin and never touch its private attributes; recalibration, above
+the mixin, uses the same ``_fp8_*`` methods. Users need none of it.
 """
 
 from __future__ import annotations
