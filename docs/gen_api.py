@@ -6,7 +6,7 @@ Run from the repository root:
     python docs/gen_api.py --check    # exit 1 if docs/api.md is not what this would write
 
 Standard library only (``inspect``, ``ast``): the reference is the code's own docstrings,
-grouped by the module users import them from. ``tests/test_docs_api.py`` runs ``--check`` and
+grouped by the module users import them from. ``tests/docs/test_docs_api.py`` runs ``--check`` and
 the doctests of every object listed here.
 """
 
@@ -444,7 +444,7 @@ def render() -> str:
         "",
         "Every public name, grouped by the module you import it from, with its signature and "
         "docstring. The examples (`>>>`) run as doctests in the test suite "
-        "(`tests/test_docs_api.py`), on a CPU. Guides: [index](index.md).",
+        "(`tests/docs/test_docs_api.py`), on a CPU. Guides: [index](index.md).",
         "",
     ]
     by_module: dict[str, list[Entry]] = {}

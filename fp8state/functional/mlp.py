@@ -13,8 +13,9 @@ which keeps the peak below bf16's (docs/benchmarks.md).
 
 Slots and amaxes are those of the per-GEMM path (fc1 = GEMM 0, fc2 = GEMM 1). The one
 difference in numbers: GELU's output is quantized from float32 instead of from its rounding to
-the input's dtype (identical for float32 inputs on the emulated path, tests/test_fused_mlp.py;
-the CUDA kernel's GELU is within about 1e-6 relative of torch's, tests/gpu/test_cast_slot.py).
+the input's dtype (identical for float32 inputs on the emulated path,
+tests/modules/test_fused_mlp.py; the CUDA kernel's GELU is within about 1e-6 relative of
+torch's, tests/gpu/test_cast_slot.py).
 Intermediates are released as backward uses them, so one backward runs per forward (a second
 one through the same graph is a clear error), as in TE.
 """

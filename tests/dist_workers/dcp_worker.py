@@ -1,4 +1,5 @@
-"""Per-rank worker of tests/test_checkpoint_distributed.py: DCP save/load across world sizes.
+"""Per-rank worker of tests/checkpoint/test_checkpoint_distributed.py: DCP save/load across
+world sizes.
 
 One spawn per world size runs a *phase*; the phases run in this order, each reading what the
 previous ones wrote into the shared folder ``work``:
@@ -55,31 +56,33 @@ def _record(model: nn.Module) -> dict[str, Any]:
     return {"state": models.full_state(model), "buffers": models.buffer_placement(model)}
 
 
-def _built(kind: str, seed: int, salt: int) -> nn.Module:
-    model = models.build(kind, seed=seed)
-    models.fill_fp8(model, salt)
-    return model
-
-
 def _try(records: dict[str, Any], name: str, step: Callable[[], Any]) -> None:
     # A failing step is recorded, not raised: the other steps' collectives must still match
     # on every rank, and the test reports which step failed with its traceback.
     try:
         records[name] = step()
     except Exception as err:  # noqa: BLE001 - reported to the test, which fails on it
-        records[name] = {"error": type(err).__name__, "message": str(err),
-                         "key": getattr(err, "key", None), "traceback": traceback.format_exc()}
+        records[name] = {
+            "error": type(err).__name__,
+            "message": str(err),
+            "key": getattr(err, "key", None),
+            "traceback": traceback.format_exc(),
+        }
 
 
 def _phase_save1(kind: str, work: str, rec: dict[str, Any]) -> None:
     seed, salt = SAVED["fsdp_w1"]
-    model = _shard(_built(kind, seed, salt))
-    _try(rec, "save fsdp_w1", lambda: {"saved": bool(
-        ckpt.dcp_save(model, os.path.join(work, f"{kind}_fsdp_w1")))})
+    model = _shard(models.trained(kind, seed, salt))
+    _try(
+        rec,
+        "save fsdp_w1",
+        lambda: {"saved": bool(ckpt.dcp_save(model, os.path.join(work, f"{kind}_fsdp_w1")))},
+    )
 
 
-def _load(kind: str, work: str, source: str, wrap: Callable[[nn.Module], nn.Module],
-          seed: int) -> dict[str, Any]:
+def _load(
+    kind: str, work: str, source: str, wrap: Callable[[nn.Module], nn.Module], seed: int
+) -> dict[str, Any]:
     model = wrap(models.build(kind, seed=seed))
     ckpt.dcp_load(model, os.path.join(work, f"{kind}_{source}"))
     return _record(model)
@@ -102,35 +105,49 @@ def _load_consolidated(kind: str, work: str, wrap: Callable[[nn.Module], nn.Modu
 
 
 def _bad_save(kind: str, work: str) -> dict[str, Any]:
-    model = _built(kind, BAD_SEED, BAD_SALT)
+    model = models.trained(kind, BAD_SEED, BAD_SALT)
     if dist.get_rank() == 1:  # one more step on one rank only: metadata now differs
         module = models.fp8_modules(model)[BAD_MODULE]
         module.fp8_record_amax("fwd", 0, torch.tensor(99.0))
         module.fp8_update_scales("fwd")
     _shard(model)
-    good = _shard(_built(kind, BAD_SEED, BAD_SALT))
+    good = _shard(models.trained(kind, BAD_SEED, BAD_SALT))
     checked = ckpt.check_fp8_metadata_replicated(good)
     folder = os.path.join(work, f"{kind}_bad_w2")
     try:
         ckpt.dcp_save(model, folder)
     except DistributedStateError as err:
-        return {"checked": checked, "raised": type(err).__name__, "key": err.key,
-                "found": err.found, "message": str(err),
-                "written": os.path.exists(os.path.join(folder, ".metadata"))}
-    return {"checked": checked, "raised": None,
-            "written": os.path.exists(os.path.join(folder, ".metadata"))}
+        return {
+            "checked": checked,
+            "raised": type(err).__name__,
+            "key": err.key,
+            "found": err.found,
+            "message": str(err),
+            "written": os.path.exists(os.path.join(folder, ".metadata")),
+        }
+    return {
+        "checked": checked,
+        "raised": None,
+        "written": os.path.exists(os.path.join(folder, ".metadata")),
+    }
 
 
 def _phase_w2(kind: str, work: str, rec: dict[str, Any]) -> None:
     seed, salt = SAVED["ddp_w2"]
     ddp = _ddp(models.build(kind, seed=seed))
     models.fill_fp8(ddp, salt)
-    _try(rec, "save ddp_w2", lambda: {"saved": bool(
-        ckpt.dcp_save(ddp, os.path.join(work, f"{kind}_ddp_w2")))})
+    _try(
+        rec,
+        "save ddp_w2",
+        lambda: {"saved": bool(ckpt.dcp_save(ddp, os.path.join(work, f"{kind}_ddp_w2")))},
+    )
     seed, salt = SAVED["fsdp_w2"]
-    fsdp = _shard(_built(kind, seed, salt))
-    _try(rec, "save fsdp_w2", lambda: {"saved": bool(
-        ckpt.dcp_save(fsdp, os.path.join(work, f"{kind}_fsdp_w2")))})
+    fsdp = _shard(models.trained(kind, seed, salt))
+    _try(
+        rec,
+        "save fsdp_w2",
+        lambda: {"saved": bool(ckpt.dcp_save(fsdp, os.path.join(work, f"{kind}_fsdp_w2")))},
+    )
     _try(rec, "fsdp_w1->fsdp2", lambda: _load(kind, work, "fsdp_w1", _shard, 99))
     _try(rec, "fsdp_w1->ddp2", lambda: _load(kind, work, "fsdp_w1", _ddp, 98))
     _try(rec, "fsdp_w1->meta_fsdp2", lambda: _load_meta_fsdp(kind, work))
@@ -154,8 +171,9 @@ def _phase_w3(kind: str, work: str, rec: dict[str, Any]) -> None:
 PHASES = {"save1": _phase_save1, "w2": _phase_w2, "w1load": _phase_w1load, "w3": _phase_w3}
 
 
-def run(rank: int, world: int, store_file: str, phase: str, work: str,
-        kinds: tuple[str, ...]) -> None:
+def run(
+    rank: int, world: int, store_file: str, phase: str, work: str, kinds: tuple[str, ...]
+) -> None:
     """Entry point of one rank (``torch.multiprocessing`` passes ``rank`` first)."""
     init_gloo(rank, world, store_file)
     try:

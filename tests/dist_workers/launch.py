@@ -19,9 +19,7 @@ import torch.multiprocessing as mp
 
 def init_gloo(rank: int, world: int, store_file: str) -> None:
     """Join the gloo group through a file store (no port to collide with other tests)."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
 
 
 def shutdown() -> None:

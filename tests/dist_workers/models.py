@@ -28,8 +28,9 @@ MIXIN_ROWS = 16
 class OneGemm(fp8state.FP8StateMixin):
     """A linear layer's parameters plus one GEMM's FP8 metadata (3 fwd, 2 bwd slots)."""
 
-    def __init__(self, in_f: int, out_f: int, *, history_rows: int = MIXIN_ROWS,
-                 device: Any = None) -> None:
+    def __init__(
+        self, in_f: int, out_f: int, *, history_rows: int = MIXIN_ROWS, device: Any = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_f, in_f, device=device))
         self.bias = nn.Parameter(torch.empty(out_f, device=device))
@@ -45,8 +46,9 @@ class OneGemm(fp8state.FP8StateMixin):
 class TwoGemm(fp8state.FP8StateMixin):
     """Two weights and two GEMMs' FP8 metadata (6 fwd, 4 bwd slots)."""
 
-    def __init__(self, hidden: int, ffn: int, *, history_rows: int = MIXIN_ROWS,
-                 device: Any = None) -> None:
+    def __init__(
+        self, hidden: int, ffn: int, *, history_rows: int = MIXIN_ROWS, device: Any = None
+    ) -> None:
         super().__init__()
         self.fc1_weight = nn.Parameter(torch.empty(ffn, hidden, device=device))
         self.fc2_weight = nn.Parameter(torch.empty(hidden, ffn, device=device))
@@ -62,8 +64,9 @@ class TwoGemm(fp8state.FP8StateMixin):
 class Net(nn.Module):
     """``inp`` (FP8, 1 GEMM) -> ``norm`` (plain LayerNorm) -> ``mlp`` (FP8) -> ``out`` (FP8)."""
 
-    def __init__(self, kind: str = "mixin", *, device: Any = None,
-                 history_rows: int | None = None) -> None:
+    def __init__(
+        self, kind: str = "mixin", *, device: Any = None, history_rows: int | None = None
+    ) -> None:
         super().__init__()
         if kind == "mixin":
             rows = {"history_rows": history_rows or MIXIN_ROWS, "device": device}
@@ -83,8 +86,13 @@ class Net(nn.Module):
         return self.out(self.mlp(self.norm(self.inp(x))))
 
 
-def build(kind: str = "mixin", *, seed: int | None = 0, device: Any = None,
-          history_rows: int | None = None) -> Net:
+def build(
+    kind: str = "mixin",
+    *,
+    seed: int | None = 0,
+    device: Any = None,
+    history_rows: int | None = None,
+) -> Net:
     """The model of ``kind`` with weights drawn from ``seed`` (identical on every rank).
 
     ``seed=None`` leaves the generators alone: ``torch.manual_seed`` also seeds every CUDA
@@ -117,6 +125,13 @@ def fill_fp8(model: nn.Module, salt: int, *, steps: int = 3) -> None:
                 module.fp8_update_scales(direction)
 
 
+def trained(kind: str = "mixin", seed: int | None = 1, salt: int = 1, **build_kw: Any) -> Net:
+    """:func:`build` then :func:`fill_fp8`: the model of ``kind`` with metadata of ``salt``."""
+    model = build(kind, seed=seed, **build_kw)
+    fill_fp8(model, salt)
+    return model
+
+
 def full_state(model: nn.Module) -> dict[str, Any]:
     """Canonical-keyed state with every tensor whole and on the CPU (collective for FSDP2).
 
@@ -144,17 +159,3 @@ def buffer_placement(model: nn.Module) -> dict[str, tuple[str, str]]:
             for field, buf in module.fp8_meta(direction)._asdict().items():
                 out[f"{name}.fp8_{direction}_{field}"] = (type(buf).__name__, str(buf.device))
     return out
-
-
-def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Same keys, and every tensor (extra-state payloads included) bit-identical."""
-    assert sorted(actual) == sorted(expected)
-    for key, exp in expected.items():
-        got = actual[key]
-        if isinstance(exp, dict):
-            assert sorted(got) == sorted(exp), key
-            for sub in exp:
-                torch.testing.assert_close(got[sub], exp[sub], rtol=0, atol=0,
-                                           msg=f"{key}[{sub!r}]")
-        else:
-            torch.testing.assert_close(got, exp, rtol=0, atol=0, msg=key)

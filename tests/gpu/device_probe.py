@@ -58,8 +58,14 @@ def parse_gpus(text: str) -> list[dict[str, Any]]:
     for row in csv.reader(io.StringIO(text)):
         if len(row) < 4 or not row[0].strip().isdigit():
             continue
-        out.append({"index": int(row[0]), "uuid": row[1].strip(),
-                    "memory_used_mib": _num(row[2]), "name": row[3].strip()})
+        out.append(
+            {
+                "index": int(row[0]),
+                "uuid": row[1].strip(),
+                "memory_used_mib": _num(row[2]),
+                "name": row[3].strip(),
+            }
+        )
     return out
 
 
@@ -76,15 +82,21 @@ def run_command(args: list[str], timeout: float = 30.0) -> str | None:
 
 def smi_gpus(runner: Runner = run_command) -> list[dict[str, Any]] | None:
     """Every GPU with index, uuid, used memory and name; None without ``nvidia-smi``."""
-    text = runner(["nvidia-smi", "--query-gpu=index,uuid,memory.used,name",
-                   "--format=csv,noheader,nounits"])
+    text = runner(
+        ["nvidia-smi", "--query-gpu=index,uuid,memory.used,name", "--format=csv,noheader,nounits"]
+    )
     return None if text is None else parse_gpus(text)
 
 
 def smi_processes(runner: Runner = run_command) -> list[ProcessUsage] | None:
     """Every compute process on every GPU; None without ``nvidia-smi``."""
-    text = runner(["nvidia-smi", "--query-compute-apps=pid,used_memory,gpu_uuid",
-                   "--format=csv,noheader,nounits"])
+    text = runner(
+        [
+            "nvidia-smi",
+            "--query-compute-apps=pid,used_memory,gpu_uuid",
+            "--format=csv,noheader,nounits",
+        ]
+    )
     return None if text is None else parse_compute_apps(text)
 
 
@@ -104,8 +116,9 @@ def nvml_processes() -> list[ProcessUsage] | None:
                 uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
                 for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                     used = proc.usedGpuMemory
-                    out.append(ProcessUsage(int(proc.pid),
-                                            None if used is None else used / 2**20, uuid))
+                    out.append(
+                        ProcessUsage(int(proc.pid), None if used is None else used / 2**20, uuid)
+                    )
             return out
         finally:
             pynvml.nvmlShutdown()
@@ -129,8 +142,11 @@ def process_on_gpu(
     Returns ``{"present": bool | None, "used_mib": float | None, "source": str | None,
     "pids_seen": [...]}``: ``present`` is None when no source could tell.
     """
-    sources = sources if sources is not None else {
-        "nvml": nvml_processes, "nvidia-smi": lambda: smi_processes()}
+    sources = (
+        sources
+        if sources is not None
+        else {"nvml": nvml_processes, "nvidia-smi": lambda: smi_processes()}
+    )
     for name, source in sources.items():
         procs = source()
         if procs is None or gpu_uuid is None:
@@ -138,8 +154,12 @@ def process_on_gpu(
         here = [p for p in procs if normalize_uuid(p.gpu_uuid) == normalize_uuid(gpu_uuid)]
         mine = [p for p in here if p.pid == pid]
         used = sum(p.used_mib or 0.0 for p in mine) if mine else 0.0
-        return {"present": bool(mine), "used_mib": used, "source": name,
-                "pids_seen": sorted({p.pid for p in here})}
+        return {
+            "present": bool(mine),
+            "used_mib": used,
+            "source": name,
+            "pids_seen": sorted({p.pid for p in here}),
+        }
     return {"present": None, "used_mib": None, "source": None, "pids_seen": []}
 
 
@@ -166,14 +186,26 @@ def snapshot(index: int, pid: int, uuids: dict[int, str], *, cuda: bool = True) 
     not exist (one GPU), and asking CUDA about it raises.
     """
     if not cuda:
-        return {"torch": {"available": False}, "process": process_on_gpu(pid, None, {}),
-                "gpu_memory_used_mib": None}
+        return {
+            "torch": {"available": False},
+            "process": process_on_gpu(pid, None, {}),
+            "gpu_memory_used_mib": None,
+        }
     gpus = smi_gpus() if torch.cuda.is_available() else None
     uuid = uuids.get(index)
-    total = next((g["memory_used_mib"] for g in gpus or []
-                  if uuid and normalize_uuid(g["uuid"]) == normalize_uuid(uuid)), None)
-    return {"torch": torch_figures(index), "process": process_on_gpu(pid, uuid),
-            "gpu_memory_used_mib": total}
+    total = next(
+        (
+            g["memory_used_mib"]
+            for g in gpus or []
+            if uuid and normalize_uuid(g["uuid"]) == normalize_uuid(uuid)
+        ),
+        None,
+    )
+    return {
+        "torch": torch_figures(index),
+        "process": process_on_gpu(pid, uuid),
+        "gpu_memory_used_mib": total,
+    }
 
 
 def as_dict(usage: ProcessUsage) -> dict[str, Any]:

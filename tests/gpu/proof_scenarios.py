@@ -26,6 +26,7 @@ for _p in (_HERE.parents[1], _HERE.parent, _HERE):  # repo root (fp8state), test
 import device_probe  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _helpers.state import assert_same  # noqa: E402
 from dist_workers import models  # noqa: E402
 from dist_workers.launch import shutdown  # noqa: E402
 from torch import nn  # noqa: E402
@@ -54,22 +55,26 @@ class Context:
             self.out["steps"][name] = {"ok": True, "result": result}
             return result
         except Exception as err:  # noqa: BLE001 - recorded; the parent turns it into a check
-            self.out["steps"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}",
-                                       "traceback": traceback.format_exc()}
+            self.out["steps"][name] = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+            }
             return None
 
     def measure(self, label: str, index: int = 0) -> None:
         """Record what this process holds on ``cuda:index`` (after syncing its own work)."""
         if self.cuda:
             torch.cuda.synchronize(torch.cuda.current_device())
-        self.out["figures"][label] = device_probe.snapshot(index, os.getpid(), self.uuids,
-                                                           cuda=self.cuda)
+        self.out["figures"][label] = device_probe.snapshot(
+            index, os.getpid(), self.uuids, cuda=self.cuda
+        )
 
 
 def _same(model: nn.Module, expected_file: Path) -> dict[str, Any]:
     """Compare a loaded model with the saved state; say where its FP8 buffers live."""
     expected = torch.load(expected_file, weights_only=True)
-    models.assert_same_state(models.full_state(model), expected)
+    assert_same(models.full_state(model), expected)
     return {"equal": True, "fp8_buffers": sorted(set(models.buffer_placement(model).values()))}
 
 
@@ -124,8 +129,9 @@ def load_dev1(ctx: Context) -> None:
 
     def torch_load_mapped() -> dict:
         fresh = models.build(ctx.kind, seed=None, device=ctx.dev1)
-        fresh.load_state_dict(torch.load(ctx.work / "plain.pt", weights_only=True,
-                                         map_location=ctx.dev1))
+        fresh.load_state_dict(
+            torch.load(ctx.work / "plain.pt", weights_only=True, map_location=ctx.dev1)
+        )
         return _same(fresh, expected)
 
     ctx.step("torch_load_map_location_dev1", torch_load_mapped)
@@ -169,8 +175,10 @@ def split_current_dev0(ctx: Context) -> None:
 
     def load() -> dict:
         ckpt.load_state_dict(fresh, ckpt.load(ctx.work / "split.pt"))
-        return {name: sorted(set(models.buffer_placement(getattr(fresh, name)).values()))
-                for name in ("a", "b")}
+        return {
+            name: sorted(set(models.buffer_placement(getattr(fresh, name)).values()))
+            for name in ("a", "b")
+        }
 
     ctx.step("fp8state_load", load)
     ctx.measure("after_load")
@@ -221,8 +229,7 @@ def _nccl_steps(ctx: Context, rank: int, dev: torch.device) -> None:
         ctx.measure("after_fsdp2")
     dist.barrier()
     if rank == 1:  # control, last: the user's weights go back to cuda:0, metadata does not
-        ctx.step("plain_torch_load",
-                 lambda: _devices(torch.load(plain, weights_only=True)))
+        ctx.step("plain_torch_load", lambda: _devices(torch.load(plain, weights_only=True)))
         ctx.measure("after_plain_torch_load")
     dist.barrier()
 
@@ -244,7 +251,7 @@ def _fsdp2_round_trip(ctx: Context, dev: torch.device) -> dict:
     ckpt.dcp_save(model, ctx.work / "nccl_dcp")
     fresh = _shard(models.build(ctx.kind, seed=None, device=dev), dev.type)
     ckpt.dcp_load(fresh, ctx.work / "nccl_dcp")
-    models.assert_same_state(models.full_state(fresh), models.full_state(model))
+    assert_same(models.full_state(fresh), models.full_state(model))
     return {"equal": True, "fp8_buffers": sorted(set(models.buffer_placement(fresh).values()))}
 
 
@@ -254,14 +261,19 @@ def _differing_ranks(ctx: Context, rank: int, dev: torch.device) -> dict:
     try:
         ckpt.dcp_save(model, ctx.work / "nccl_bad")
     except DistributedStateError as err:
-        return {"raised": True, "key": err.key,
-                "written": (ctx.work / "nccl_bad" / ".metadata").exists()}
+        return {
+            "raised": True,
+            "key": err.key,
+            "written": (ctx.work / "nccl_bad" / ".metadata").exists(),
+        }
     return {"raised": False}
 
 
 SCENARIOS: dict[str, Callable[[Context], None]] = {
-    "save_dev0": save_dev0, "load_dev1": load_dev1,
-    "split_current_dev0": split_current_dev0, "nccl_rank": nccl_rank,
+    "save_dev0": save_dev0,
+    "load_dev1": load_dev1,
+    "split_current_dev0": split_current_dev0,
+    "nccl_rank": nccl_rank,
 }
 
 

@@ -31,15 +31,18 @@ def _train(model: nn.Module, steps: int) -> None:
 
 def test_batched_step_equals_module_by_module(monkeypatch) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*(fp8state.Linear(64, 64, device="cuda") for _ in range(6)),
-                          fp8state.LayerNormMLP(64, 128, device="cuda"))
+    model = nn.Sequential(
+        *(fp8state.Linear(64, 64, device="cuda") for _ in range(6)),
+        fp8state.LayerNormMLP(64, 128, device="cuda"),
+    )
     for m in model:
         m.fp8_min_gemm_macs = 0
     twin = copy.deepcopy(model)
     calls = []
     real = amax_reduction._update_batched
-    monkeypatch.setattr(amax_reduction, "_update_batched",
-                        lambda *a: (calls.append(a[0]), real(*a))[1])
+    monkeypatch.setattr(
+        amax_reduction, "_update_batched", lambda *a: (calls.append(a[0]), real(*a))[1]
+    )
     _train(model, 3)
     assert calls.count("fwd") == 3 and calls.count("bwd") == 3  # one launch per direction
     monkeypatch.setattr(amax_reduction, "kernels_available", lambda device: False)

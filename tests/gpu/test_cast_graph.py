@@ -42,9 +42,19 @@ def test_replays_match_eager_launches(shape, column_sums, transpose, op) -> None
     aux = torch.empty_like(x) if op == "dgelu" else None
 
     def cast(history: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return cast_slot(x, scale, scale_inv, history, 1, torch.float8_e5m2,
-                         transpose=transpose, new_step=True, column_sums=column_sums, op=op,
-                         aux=aux)
+        return cast_slot(
+            x,
+            scale,
+            scale_inv,
+            history,
+            1,
+            torch.float8_e5m2,
+            transpose=transpose,
+            new_step=True,
+            column_sums=column_sums,
+            op=op,
+            aux=aux,
+        )
 
     x.normal_(generator=gen)
     if aux is not None:

@@ -38,11 +38,20 @@ def test_matches_reference(rows, n, slot, shape, new_step) -> None:
     x.view(-1)[0] = float("nan")
     x = x.to(torch.bfloat16)
     ref_hist = hist.clone()
-    ref = cast_slot(x, scale, scale_inv, ref_hist, slot, torch.float8_e4m3fn,
-                    transpose=True, new_step=new_step)
+    ref = cast_slot(
+        x, scale, scale_inv, ref_hist, slot, torch.float8_e4m3fn, transpose=True, new_step=new_step
+    )
     got_hist = hist.cuda()
-    got = cast_slot(x.cuda(), scale.cuda(), scale_inv.cuda(), got_hist, slot,
-                    torch.float8_e4m3fn, transpose=True, new_step=new_step)
+    got = cast_slot(
+        x.cuda(),
+        scale.cuda(),
+        scale_inv.cuda(),
+        got_hist,
+        slot,
+        torch.float8_e4m3fn,
+        transpose=True,
+        new_step=new_step,
+    )
     # Values, not bits: the CPU reference and the GPU disagree on the sign bit of NaN only.
     for a, b in ((got[0], ref[0]), (got[1], ref[1])):
         torch.testing.assert_close(a.cpu().float(), b.float(), rtol=0, atol=0, equal_nan=True)
@@ -57,16 +66,35 @@ def test_column_sums(shape, dtype) -> None:
     x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
     hist, scale, scale_inv = (t.cuda() for t in _buffers(4, 2, 1))
     for transpose in (False, True):
-        *_, sums = cast_slot(x, scale, scale_inv, hist, 0, torch.float8_e5m2,
-                             transpose=transpose, new_step=False, column_sums=True)
+        *_, sums = cast_slot(
+            x,
+            scale,
+            scale_inv,
+            hist,
+            0,
+            torch.float8_e5m2,
+            transpose=transpose,
+            new_step=False,
+            column_sums=True,
+        )
         assert sums is not None and sums.dtype == dtype
         # float32 accumulation, one rounding to the input's dtype at the end
         exact = x.double().sum(0)
-        torch.testing.assert_close(sums.double(), exact.to(dtype).double(),
-                                   rtol=torch.finfo(dtype).eps, atol=1e-3)
+        torch.testing.assert_close(
+            sums.double(), exact.to(dtype).double(), rtol=torch.finfo(dtype).eps, atol=1e-3
+        )
         # Launched again (counters reset, scratch reused): the same bits.
-        *_, again = cast_slot(x, scale, scale_inv, hist, 0, torch.float8_e5m2,
-                              transpose=transpose, new_step=False, column_sums=True)
+        *_, again = cast_slot(
+            x,
+            scale,
+            scale_inv,
+            hist,
+            0,
+            torch.float8_e5m2,
+            transpose=transpose,
+            new_step=False,
+            column_sums=True,
+        )
         assert torch.equal(again, sums)
 
 
@@ -89,9 +117,22 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     results = []
     for sums in (True, False):
         hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 2))
-        out = cast_launch._launch(x, scale, scale_inv, hist, 1, 3, torch.float8_e4m3fn,
-                                  transpose, snapshot=True, new_step=new_step, column_sums=sums,
-                                  op="identity", aux=None, config=config if sums else None)
+        out = cast_launch._launch(
+            x,
+            scale,
+            scale_inv,
+            hist,
+            1,
+            3,
+            torch.float8_e4m3fn,
+            transpose,
+            snapshot=True,
+            new_step=new_step,
+            column_sums=sums,
+            op="identity",
+            aux=None,
+            config=config if sums else None,
+        )
         results.append((*out, hist))
     (fp8, fp8_t, snap, col, hist), (ref, ref_t, ref_snap, none, ref_hist) = results
     assert none is None and torch.equal(fp8.view(torch.uint8), ref.view(torch.uint8))
@@ -102,8 +143,9 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     assert torch.equal(snap, ref_snap) and torch.equal(hist, ref_hist)
     assert col.dtype == torch.bfloat16
     finite = x.double().nan_to_num(posinf=0.0)
-    torch.testing.assert_close(col[:-1].double(), finite.sum(0)[:-1].bfloat16().double(),
-                               rtol=2**-8, atol=1e-3)
+    torch.testing.assert_close(
+        col[:-1].double(), finite.sum(0)[:-1].bfloat16().double(), rtol=2**-8, atol=1e-3
+    )
     assert col[-1] == float("inf")
 
 
@@ -113,10 +155,10 @@ def test_repeated_launches_reuse_scratch() -> None:
     scale = torch.ones(3, device="cuda")
     for step in range(1, 6):
         x = torch.full((2048, 256), float(step), device="cuda", dtype=torch.bfloat16)
-        cast_slot(x, scale, scale, hist, 1, torch.float8_e4m3fn, transpose=False,
-                  new_step=True)
-        cast_slot(x * 0.5, scale, scale, hist, 2, torch.float8_e4m3fn, transpose=False,
-                  new_step=False)
+        cast_slot(x, scale, scale, hist, 1, torch.float8_e4m3fn, transpose=False, new_step=True)
+        cast_slot(
+            x * 0.5, scale, scale, hist, 2, torch.float8_e4m3fn, transpose=False, new_step=False
+        )
     expected = torch.zeros(8, 3)
     for step in range(1, 6):
         expected[5 - step, 1], expected[5 - step, 2] = step, step * 0.5
@@ -126,8 +168,9 @@ def test_repeated_launches_reuse_scratch() -> None:
 def test_snapshot_is_a_copy() -> None:
     hist, scale, scale_inv = (t.cuda() for t in _buffers(4, 3, 0))
     x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    _, _, snap, _ = cast_slot(x, scale, scale_inv, hist, 1, torch.float8_e4m3fn,
-                           transpose=False, new_step=True)
+    _, _, snap, _ = cast_slot(
+        x, scale, scale_inv, hist, 1, torch.float8_e4m3fn, transpose=False, new_step=True
+    )
     before = scale_inv[1].item()
     scale_inv.fill_(123.0)
     assert snap.item() == before
@@ -150,9 +193,19 @@ def test_fused_ops_match_reference_values(op, transpose) -> None:
     aux = (torch.randn(2048, 768, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     hist, scale, scale_inv = (t.cuda() for t in _buffers(8, 3, 4))
     before = hist.clone()
-    fp8, fp8_t, _, sums = cast_slot(x, scale, scale_inv, hist, 2, torch.float8_e4m3fn,
-                                    transpose=transpose, new_step=True, column_sums=True,
-                                    op=op, aux=aux if op == "dgelu" else None)
+    fp8, fp8_t, _, sums = cast_slot(
+        x,
+        scale,
+        scale_inv,
+        hist,
+        2,
+        torch.float8_e4m3fn,
+        transpose=transpose,
+        new_step=True,
+        column_sums=True,
+        op=op,
+        aux=aux if op == "dgelu" else None,
+    )
     value = apply_op(x, op, aux)
     ref = quantize(value, scale[2:3], torch.float8_e4m3fn).float()
     got = fp8.float()
@@ -163,14 +216,23 @@ def test_fused_ops_match_reference_values(op, transpose) -> None:
     # row, the column sums the kernel returns are the float32 values it cast.
     row = torch.linspace(-8, 4, 256, device="cuda").reshape(1, -1)
     h_row = torch.linspace(-8, 4, 256, device="cuda").flip(-1).reshape(1, -1)
-    *_, values = cast_slot(row, scale, scale_inv, hist, 0, torch.float8_e4m3fn,
-                           transpose=False, new_step=False, column_sums=True, op=op,
-                           aux=h_row if op == "dgelu" else None)
+    *_, values = cast_slot(
+        row,
+        scale,
+        scale_inv,
+        hist,
+        0,
+        torch.float8_e4m3fn,
+        transpose=False,
+        new_step=False,
+        column_sums=True,
+        op=op,
+        aux=h_row if op == "dgelu" else None,
+    )
     if op == "gelu":
         exact = torch.nn.functional.gelu(row.double(), approximate="tanh")[0]
     else:
-        exact = torch.ops.aten.gelu_backward(row.double(), h_row.double(),
-                                             approximate="tanh")[0]
+        exact = torch.ops.aten.gelu_backward(row.double(), h_row.double(), approximate="tanh")[0]
     # atol: where the value itself is near zero (GELU's far tail, dGELU's sign change near
     # -0.75) float32 rounding leaves ~1e-8 absolute on inputs of size 1-8, far below any
     # FP8 step of such a tensor; everywhere else 1e-5 relative.

@@ -45,8 +45,9 @@ def test_fused_matches_unfused_on_gpu() -> None:
     for a, b in zip(g_f, g_u, strict=True):
         assert _sqnr_db(a, b) > 20
     for d in ("fwd", "bwd"):
-        torch.testing.assert_close(fused.fp8_meta(d).scale, unfused.fp8_meta(d).scale,
-                                   rtol=0.02, atol=0)
+        torch.testing.assert_close(
+            fused.fp8_meta(d).scale, unfused.fp8_meta(d).scale, rtol=0.02, atol=0
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -67,8 +68,10 @@ def test_fused_backward_peak_memory_below_bf16() -> None:
     torch.manual_seed(0)
     fp8 = fp8state.LayerNormMLP(hidden, ffn, params_dtype=torch.bfloat16, device="cuda")
     bf16 = torch.nn.Sequential(
-        torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, ffn),
-        torch.nn.GELU(approximate="tanh"), torch.nn.Linear(ffn, hidden),
+        torch.nn.LayerNorm(hidden),
+        torch.nn.Linear(hidden, ffn),
+        torch.nn.GELU(approximate="tanh"),
+        torch.nn.Linear(ffn, hidden),
     ).to(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)

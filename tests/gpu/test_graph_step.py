@@ -24,10 +24,12 @@ pytestmark = [
 
 MODULES: dict[str, Callable[[], nn.Module]] = {
     "Linear": lambda: fp8state.Linear(512, 384, params_dtype=torch.bfloat16, device="cuda"),
-    "LayerNormLinear": lambda: fp8state.LayerNormLinear(512, 384, params_dtype=torch.bfloat16,
-                                                        device="cuda"),
-    "LayerNormMLP": lambda: fp8state.LayerNormMLP(512, 1024, params_dtype=torch.bfloat16,
-                                                  device="cuda"),
+    "LayerNormLinear": lambda: fp8state.LayerNormLinear(
+        512, 384, params_dtype=torch.bfloat16, device="cuda"
+    ),
+    "LayerNormMLP": lambda: fp8state.LayerNormMLP(
+        512, 1024, params_dtype=torch.bfloat16, device="cuda"
+    ),
 }
 
 

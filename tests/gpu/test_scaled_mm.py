@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _utils import sqnr
+from _helpers.numerics import sqnr
 
 import fp8state
 from fp8state.backends import fp8_gemm, scaled_mm_support
@@ -16,8 +16,11 @@ from fp8state.cli._demo.training import DemoConfig, run_demo
 from fp8state.quantize import quantize
 
 _CUDA = torch.device("cuda")
-_OK, _REASON = (scaled_mm_support(_CUDA) if torch.cuda.is_available()
-                else (False, "torch.cuda.is_available() is False"))
+_OK, _REASON = (
+    scaled_mm_support(_CUDA)
+    if torch.cuda.is_available()
+    else (False, "torch.cuda.is_available() is False")
+)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=_REASON)]
 
 
@@ -41,10 +44,12 @@ def test_scaled_mm_matches_emulation(out_dtype: torch.dtype, b_dtype: torch.dtyp
 
 
 def test_unaligned_shapes_fall_back_to_emulation() -> None:
-    a = quantize(torch.randn(8, 24, device=_CUDA), torch.tensor(1.0, device=_CUDA),
-                 torch.float8_e4m3fn)
-    b = quantize(torch.randn(24, 8, device=_CUDA), torch.tensor(1.0, device=_CUDA),
-                 torch.float8_e4m3fn)
+    a = quantize(
+        torch.randn(8, 24, device=_CUDA), torch.tensor(1.0, device=_CUDA), torch.float8_e4m3fn
+    )
+    b = quantize(
+        torch.randn(24, 8, device=_CUDA), torch.tensor(1.0, device=_CUDA), torch.float8_e4m3fn
+    )
     one = torch.tensor(1.0, device=_CUDA)
     _, used = fp8_gemm(a, one, b, one, torch.bfloat16, backend="scaled_mm")
     assert used == "emulated"
@@ -74,5 +79,6 @@ def test_small_gemms_fall_back_on_gpu_by_default() -> None:
     with fp8state.fp8_autocast():
         y = layer(x)
     assert layer.fp8_last_gemm_backend == "high_precision"
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias),
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=0, rtol=0
+    )

@@ -20,15 +20,20 @@ pytestmark = [
 
 def test_cuda_state_dict_matches_pack_and_never_synchronizes_the_device(monkeypatch) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(*(fp8state.Linear(32, 32, device="cuda") for _ in range(20)),
-                          fp8state.LayerNormMLP(32, 64, device="cuda"))
+    model = nn.Sequential(
+        *(fp8state.Linear(32, 32, device="cuda") for _ in range(20)),
+        fp8state.LayerNormMLP(32, 64, device="cuda"),
+    )
     for m in model:
         m.fp8_min_gemm_macs = 0
     with fp8state.fp8_autocast():
         y = model(torch.randn(16, 32, device="cuda"))
     y.sum().backward()
-    monkeypatch.setattr(torch.cuda, "synchronize",
-                        lambda *a: (_ for _ in ()).throw(AssertionError("device-wide sync")))
+    monkeypatch.setattr(
+        torch.cuda,
+        "synchronize",
+        lambda *a: (_ for _ in ()).throw(AssertionError("device-wide sync")),
+    )
     calls = []
     real = staging.stage
     monkeypatch.setattr(staging, "stage", lambda d: (calls.append(d), real(d))[1])

@@ -28,11 +28,13 @@ def test_update_kernel_matches_reference(algo, margin, rows, n, window) -> None:
     history[0, 1 % n] = 1e-39  # tiny: the quotient overflows and is clamped
     history[1:, 2 % n] = 0  # only row 0 recorded
     prev = torch.rand(n, device="cuda", generator=gen) + 0.5
-    ref_scale, ref_inv = update_scale(history, prev, window=window, algo=algo, fp8_max=448.0,
-                                      margin=margin)
+    ref_scale, ref_inv = update_scale(
+        history, prev, window=window, algo=algo, fp8_max=448.0, margin=margin
+    )
     scale, scale_inv = prev.clone(), torch.empty_like(prev)
-    update_scales_(history, scale, scale_inv, window=window, algo=algo, fp8_max=448.0,
-                   margin=margin)
+    update_scales_(
+        history, scale, scale_inv, window=window, algo=algo, fp8_max=448.0, margin=margin
+    )
     assert torch.equal(scale, ref_scale)
     assert torch.equal(scale_inv, ref_inv)
 
@@ -48,8 +50,10 @@ def test_batched_update_matches_reference_per_module(algo) -> None:
         h[:, 0] = 0
     scales = [torch.rand(n, device="cuda", generator=gen) + 0.5 for _, n in shapes]
     invs = [torch.empty_like(s) for s in scales]
-    expected = [update_scale(h, s, window=12, algo=algo, fp8_max=57344.0, margin=2)
-                for h, s in zip(hists, scales, strict=True)]
+    expected = [
+        update_scale(h, s, window=12, algo=algo, fp8_max=57344.0, margin=2)
+        for h, s in zip(hists, scales, strict=True)
+    ]
     table = PointerTable(hists, scales, invs, window=12)
     batched_update_scales_(table, algo=algo, fp8_max=57344.0, margin=2)
     for (ref_scale, ref_inv), scale, inv in zip(expected, scales, invs, strict=True):

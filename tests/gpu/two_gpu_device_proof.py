@@ -49,10 +49,13 @@ def _environment(cuda: bool) -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {
-        "python": sys.version.split()[0], "torch": torch.__version__,
-        "cuda_runtime": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
         "device_count": torch.cuda.device_count() if cuda else 0,
-        "nvidia_smi_gpus": device_probe.smi_gpus(), "pynvml": _has_pynvml(),
+        "nvidia_smi_gpus": device_probe.smi_gpus(),
+        "pynvml": _has_pynvml(),
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -86,8 +89,10 @@ def _uuids(cuda: bool) -> dict[int, str]:
             out[i] = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
     smi = {g["index"]: g["uuid"] for g in device_probe.smi_gpus() or []}
     known = {device_probe.normalize_uuid(u) for u in smi.values()}
-    if smi and (len(out) < torch.cuda.device_count()
-                or not {device_probe.normalize_uuid(u) for u in out.values()} <= known):
+    if smi and (
+        len(out) < torch.cuda.device_count()
+        or not {device_probe.normalize_uuid(u) for u in out.values()} <= known
+    ):
         # torch's uuids missing or in another spelling: children use PCI bus order, which
         # is nvidia-smi's.
         out = smi
@@ -98,24 +103,33 @@ def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # torch index == nvidia-smi index
     # NVLink multicast stays off: on a shared host it can take the GPUs out of service.
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     root = str(_HERE.parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 
 
-def _run(names: list[tuple[str, dict[str, str]]], config: Path, work: Path,
-         timeout: float) -> list[dict[str, Any]]:
+def _run(
+    names: list[tuple[str, dict[str, str]]], config: Path, work: Path, timeout: float
+) -> list[dict[str, Any]]:
     """Start ``names`` together (one process each), wait, return their JSON results."""
     procs = []
     for i, (name, extra) in enumerate(names):
         out = work / f"{name}-{i}.json"
         log = open(work / f"{name}-{i}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((out, log, subprocess.Popen(
-            [sys.executable, str(_SCENARIOS), name, str(config), str(out)],
-            env=_child_env(extra), stdout=log, stderr=subprocess.STDOUT)))
+        procs.append(
+            (
+                out,
+                log,
+                subprocess.Popen(
+                    [sys.executable, str(_SCENARIOS), name, str(config), str(out)],
+                    env=_child_env(extra),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                ),
+            )
+        )
     deadline = time.monotonic() + timeout
     results = []
     for out, log, proc in procs:
@@ -143,8 +157,10 @@ def run_proof(out_path: Path, *, cpu_dry_run: bool, kind: str, timeout: float) -
     cuda = not cpu_dry_run
     if cuda:
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    report: dict[str, Any] = {"mode": "cpu-dry-run" if cpu_dry_run else "two-gpu",
-                              "environment": _environment(cuda)}
+    report: dict[str, Any] = {
+        "mode": "cpu-dry-run" if cpu_dry_run else "two-gpu",
+        "environment": _environment(cuda),
+    }
     if cuda and report["environment"]["device_count"] < 2:
         report["passed"] = False
         report["error"] = "needs two CUDA devices"
@@ -153,17 +169,32 @@ def run_proof(out_path: Path, *, cpu_dry_run: bool, kind: str, timeout: float) -
     with tempfile.TemporaryDirectory(prefix="fp8state-proof-") as tmp:
         work = Path(tmp)
         config = work / "config.json"
-        config.write_text(json.dumps({"cuda": cuda, "work": str(work), "kind": kind,
-                                      "uuids": _uuids(cuda)}))
+        config.write_text(
+            json.dumps({"cuda": cuda, "work": str(work), "kind": kind, "uuids": _uuids(cuda)})
+        )
         report["uuids"] = json.loads(config.read_text())["uuids"]
         scenarios: dict[str, list[dict[str, Any]]] = {}
         report["scenarios"] = scenarios
         port = str(_free_port())
-        ranks = [("nccl_rank", {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-                 for r in range(2)]
-        plan = [("save", [("save_dev0", {})]), ("fresh_process", [("load_dev1", {})]),
-                ("split_model", [("split_current_dev0", {})]), ("nccl_two_ranks", ranks)]
+        ranks = [
+            (
+                "nccl_rank",
+                {
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                },
+            )
+            for r in range(2)
+        ]
+        plan = [
+            ("save", [("save_dev0", {})]),
+            ("fresh_process", [("load_dev1", {})]),
+            ("split_model", [("split_current_dev0", {})]),
+            ("nccl_two_ranks", ranks),
+        ]
         for name, processes in plan:
             print(f"running {name} ...", flush=True)
             scenarios[name] = _run(processes, config, work, timeout)
@@ -188,15 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the proof."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="JSON file to write the figures to")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run every scenario on the CPU (checks the logic, not devices)")
-    parser.add_argument("--kind", default="te", choices=["te", "mixin"],
-                        help="te: fp8state.Linear/LayerNormMLP; mixin: the test mixin model")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds per scenario before its processes are killed")
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run every scenario on the CPU (checks the logic, not devices)",
+    )
+    parser.add_argument(
+        "--kind",
+        default="te",
+        choices=["te", "mixin"],
+        help="te: fp8state.Linear/LayerNormMLP; mixin: the test mixin model",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds per scenario before its processes are killed",
+    )
     args = parser.parse_args(argv)
-    return run_proof(args.out, cpu_dry_run=args.cpu_dry_run, kind=args.kind,
-                     timeout=args.timeout)
+    return run_proof(args.out, cpu_dry_run=args.cpu_dry_run, kind=args.kind, timeout=args.timeout)
 
 
 if __name__ == "__main__":

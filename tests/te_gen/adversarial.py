@@ -49,15 +49,21 @@ def user_qfactory() -> None:
 def payloads(marker: str) -> dict[str, Any]:
     """Objects that run code when plain-unpickled; id -> (object, global it names)."""
     return {
-        "os.system": (Call(os.system, f"touch {marker}"), f"{os.name == 'nt' and 'nt' or 'posix'}"
-                      ".system"),
-        "builtins.eval": (Call(builtins.eval, f"open({marker!r}, 'w').write('x')"),
-                          "builtins.eval"),
+        "os.system": (
+            Call(os.system, f"touch {marker}"),
+            f"{os.name == 'nt' and 'nt' or 'posix'}.system",
+        ),
+        "builtins.eval": (
+            Call(builtins.eval, f"open({marker!r}, 'w').write('x')"),
+            "builtins.eval",
+        ),
         "subprocess": (Call(subprocess.check_call, ["touch", marker]), "subprocess.check_call"),
         "print": (Call(builtins.print, MARKER_TEXT), "builtins.print"),
         "unknown-te-class": (EvilRecipe(), "transformer_engine.common.recipe.EvilRecipe"),
-        "custom-recipe-qfactory": (recipes.CustomRecipe(qfactory=user_qfactory, fp8_dpa=False),
-                                   "my_project.quantization.make_quantizers"),
+        "custom-recipe-qfactory": (
+            recipes.CustomRecipe(qfactory=user_qfactory, fp8_dpa=False),
+            "my_project.quantization.make_quantizers",
+        ),
     }
 
 
@@ -68,18 +74,23 @@ def in_uint8_pickle(obj: Any) -> torch.Tensor:
 
 def in_recipe_dict(obj: Any) -> torch.Tensor:
     """Hidden inside an otherwise valid E08-E10 dict."""
-    state = {"recipe": recipes.delayed_scaling("E09", length=4), "scale_fwd": torch.ones(3),
-             "amax_history_fwd": torch.zeros(4, 3), "scale_bwd": torch.ones(2),
-             "amax_history_bwd": torch.zeros(4, 2),
-             "extra_fp8_variables": {"num_gemms": 1, "payload": obj}}
+    state = {
+        "recipe": recipes.delayed_scaling("E09", length=4),
+        "scale_fwd": torch.ones(3),
+        "amax_history_fwd": torch.zeros(4, 3),
+        "scale_bwd": torch.ones(2),
+        "amax_history_bwd": torch.zeros(4, 2),
+        "extra_fp8_variables": {"num_gemms": 1, "payload": obj},
+    }
     return as_uint8(te_dumps(state))
 
 
 def in_bytesio_archive(obj: Any) -> io.BytesIO:
     """Inside the torch.save archive of an E06/E07 BytesIO."""
     buf = io.BytesIO()
-    torch.save({"scale_fwd": torch.ones(3), "extra_fp8_variables": obj}, buf,
-               pickle_module=TEPickleModule)
+    torch.save(
+        {"scale_fwd": torch.ones(3), "extra_fp8_variables": obj}, buf, pickle_module=TEPickleModule
+    )
     return buf
 
 
@@ -109,6 +120,7 @@ class TEPickleModule:
     @staticmethod
     def dump(obj: Any, file: Any, protocol: int = 2) -> None:
         TEPickler(file, protocol=protocol).dump(obj)
+
 
 PLACES: dict[str, Callable[[Any], Any]] = {
     "uint8-pickle": in_uint8_pickle,

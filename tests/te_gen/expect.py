@@ -7,15 +7,11 @@ v0.1-v0.5's per-GEMM tensors (input, weight | grad_output) sit in our slots 3g, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from te_gen.history import TEMeta
 from te_gen.payloads import Truth
 
-#: The vendored copy of the TE fixtures in tests/fixtures (tests/fixtures/README.md).
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORMAT_CODES = {"E4M3": 0, "HYBRID": 1}
 ALGO_CODES = {"max": 0, "most_recent": 1}
 

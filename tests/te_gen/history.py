@@ -33,8 +33,16 @@ def _roll(history: torch.Tensor) -> torch.Tensor:
 
 
 def simulate(
-    n: int, active: list[bool], *, rows: int, steps: int, at_end: bool, fp8_max: int,
-    margin: int, gen: torch.Generator, pow2: bool = False,
+    n: int,
+    active: list[bool],
+    *,
+    rows: int,
+    steps: int,
+    at_end: bool,
+    fp8_max: int,
+    margin: int,
+    gen: torch.Generator,
+    pow2: bool = False,
 ) -> TEMeta:
     """Run ``steps`` TE steps for ``n`` FP8 tensors; inactive ones never record an amax."""
     mask = torch.tensor(active, dtype=torch.float32)

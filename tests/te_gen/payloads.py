@@ -74,9 +74,14 @@ def _efv(era: str, spec: Spec, step: int, pos: int) -> dict[str, Any]:
         efv["fp8_checkpoint"] = True
     efv.update(num_gemms=spec.num_gemms, fp8_max_fwd=fmax[0], fp8_max_bwd=fmax[1])
     if era in ("E02", "E03", "E04", "E05"):
-        efv.update(first_module=pos == 0, autocast_id_fwd=step, global_fp8_buffer_pos_fwd=pos,
-                   update_amax_and_scale_fwd=True, autocast_id_bwd=step,
-                   global_fp8_buffer_pos_bwd=pos)
+        efv.update(
+            first_module=pos == 0,
+            autocast_id_fwd=step,
+            global_fp8_buffer_pos_fwd=pos,
+            update_amax_and_scale_fwd=True,
+            autocast_id_bwd=step,
+            global_fp8_buffer_pos_bwd=pos,
+        )
     if era in ("E05", "E06"):
         efv.update(async_amax_reduction=False, fp8_checkpoint=True)
     if era == "E06":
@@ -92,8 +97,9 @@ def _efv(era: str, spec: Spec, step: int, pos: int) -> dict[str, Any]:
 def _recipe(era: str, spec: Spec) -> Any:
     if spec.stateless:
         return recipes.stateless(spec.stateless)
-    return recipes.delayed_scaling(era, fmt=spec.fmt, margin=spec.margin, length=spec.rows,
-                                   algo=spec.algo)
+    return recipes.delayed_scaling(
+        era, fmt=spec.fmt, margin=spec.margin, length=spec.rows, algo=spec.algo
+    )
 
 
 def _meta(era: str, spec: Spec) -> tuple[TEMeta, TEMeta]:
@@ -102,11 +108,19 @@ def _meta(era: str, spec: Spec) -> tuple[TEMeta, TEMeta]:
     metas = []
     for i, d in enumerate(("fwd", "bwd")):
         active = active_slots(spec.num_gemms, old, d, spec.quantizes)
-        metas.append(simulate(
-            len(active), active, rows=spec.rows, steps=spec.steps, at_end=era in AT_END,
-            fp8_max=FP8_MAX.get(spec.fmt, (57344, 57344))[i], margin=spec.margin, gen=gen,
-            pow2=era < "E06",
-        ))
+        metas.append(
+            simulate(
+                len(active),
+                active,
+                rows=spec.rows,
+                steps=spec.steps,
+                at_end=era in AT_END,
+                fp8_max=FP8_MAX.get(spec.fmt, (57344, 57344))[i],
+                margin=spec.margin,
+                gen=gen,
+                pow2=era < "E06",
+            )
+        )
     return metas[0], metas[1]
 
 
@@ -119,8 +133,19 @@ def truth(era: str, spec: Spec, fwd: TEMeta, bwd: TEMeta) -> Truth:
         fmt = spec.fmt if era in STORES_MAXIMA else "HYBRID"
         margin, algo = 0, "max"
         defaulted = (("fp8_format",) if era == "E01" else ()) + ("margin", "amax_compute_algo")
-    return Truth(era, spec.num_gemms, spec.rows, fwd, bwd, fmt, margin, algo, defaulted,
-                 era in AT_END, era in OLD_LAYOUT)
+    return Truth(
+        era,
+        spec.num_gemms,
+        spec.rows,
+        fwd,
+        bwd,
+        fmt,
+        margin,
+        algo,
+        defaulted,
+        era in AT_END,
+        era in OLD_LAYOUT,
+    )
 
 
 def _bytesio(obj: Any, cuda: list[torch.Tensor]) -> io.BytesIO:
@@ -179,22 +204,43 @@ def extra_state(
     if era == "E02":
         state["global_fp8_recompute_buffer"] = (
             [collections.deque([[fwd.scale.clone(), bwd.scale.clone()]])]
-            if spec.recompute_deques else []
+            if spec.recompute_deques
+            else []
         )
     if era == "E06":
         state["global_fp8_state"] = {
-            "FP8_AUTOCAST_COUNTER": step, "FP8_CURRENT_CONTEXT_ID": 0, "FP8_AUTOCAST_DEPTH": 0,
-            "buffer_delete_key_fwd": None, "buffer_delete_key_bwd": None,
-            "dp_amax_reduce_interval": None, "dp_amax_reduce_forward_idx": 0,
+            "FP8_AUTOCAST_COUNTER": step,
+            "FP8_CURRENT_CONTEXT_ID": 0,
+            "FP8_AUTOCAST_DEPTH": 0,
+            "buffer_delete_key_fwd": None,
+            "buffer_delete_key_bwd": None,
+            "dp_amax_reduce_interval": None,
+            "dp_amax_reduce_forward_idx": 0,
             "dp_amax_reduce_backward_idx": 0,
         }
     state["extra_fp8_variables"] = efv
-    tensors = [fwd.scale, fwd.scale_inv, fwd.amax_history, bwd.scale, bwd.scale_inv,
-               bwd.amax_history]
+    tensors = [
+        fwd.scale,
+        fwd.scale_inv,
+        fwd.amax_history,
+        bwd.scale,
+        bwd.scale_inv,
+        bwd.amax_history,
+    ]
     expected = truth(era, spec, fwd, bwd)
     if era == "E01":
-        return [fwd.scale, fwd.amax_history, bwd.scale, bwd.amax_history, gbuf, True, pos, pos,
-                step, step], expected
+        return [
+            fwd.scale,
+            fwd.amax_history,
+            bwd.scale,
+            bwd.amax_history,
+            gbuf,
+            True,
+            pos,
+            pos,
+            step,
+            step,
+        ], expected
     if era in ("E02", "E03"):
         return state, expected
     if era in ("E04", "E05"):

@@ -1,0 +1,22 @@
+"""Numerical helpers: SQNR, and the bytes of a tensor for bit-exact comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sqnr(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``y`` against reference ``x``, in dB.
+
+    ``20 * log10(||x|| / ||x - y||)`` (torchao's ``compute_error``); ``inf`` when equal.
+    """
+    x, y = x.detach().double(), y.detach().double()
+    noise = torch.linalg.vector_norm(x - y)
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(torch.linalg.vector_norm(x) / noise))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``, flat, on the CPU (so NaN == NaN and -0.0 != 0.0)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,90 @@
+"""The benchmark script runs end to end (tiny shapes, CPU); its numbers are not checked here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from _helpers.paths import REPO_ROOT
+
+KEYS = {
+    "linear_speedup",
+    "layernorm_mlp_speedup",
+    "layernorm_mlp_peak_mem_ratio",
+    "small_linear_speedup",
+    "quantize_bound_ratio",
+    "state_dict_1000_ms",
+    "load_state_dict_1000_ms",
+    "scale_update_ms",
+    "torch",
+    "gpu",
+    "command",
+}
+
+
+def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "hopper.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert KEYS <= result.keys()
+    assert all(v > 0 for v in result["linear_speedup"].values())
+    # Steady-state (back-to-back) and per-step-synchronized timings, side by side.
+    for case in result["details"]["linear"].values():
+        assert {"ratio", "synced_ratio"} <= case.keys() and case["synced_ratio"] > 0
+    assert result["command"] == "python benchmarks/hopper.py --quick"
+    floors = {
+        f"{name}_{what}_ms"
+        for name in ("plain_linear", "extra_state_linear")
+        for what in ("state_dict", "load_state_dict")
+    }
+    assert floors | {"schema_floor_state_dict_ms"} <= result["details"]["metadata"].keys()
+
+
+def test_peak_memory_replay_finds_the_blocks_alive_at_the_peak() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the script runs
+    try:
+        from peak_memory import peak_blocks
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    events = [
+        {"action": "alloc", "addr": 1, "size": 10},
+        {"action": "alloc", "addr": 2, "size": 5},
+        {"action": "free_requested", "addr": 1, "size": 10},
+        {"action": "free_requested", "addr": 99, "size": 64},  # allocated before recording
+        {"action": "alloc", "addr": 3, "size": 7},
+        {"action": "free_completed", "addr": 1, "size": 10},
+    ]
+    peak, blocks = peak_blocks(events)
+    assert peak == 15
+    assert [b["addr"] for b in blocks] == [1, 2]  # largest first
+
+
+def test_docs_benchmarks_table_matches_the_recorded_run() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "render.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_recorded_run_has_every_key() -> None:
+    result = json.loads((REPO_ROOT / "benchmarks" / "results" / "h200.json").read_text())
+    assert KEYS <= result.keys()
+    assert result["gpu"].startswith("NVIDIA H200")

@@ -1,0 +1,143 @@
+"""Reading DCP folders of unknown origin: load_dcp_state_dict(trusted=False) reads what DCP's
+own reader reads and runs nothing pickled; DCP read and consolidate failures are one-line
+CheckpointErrors (the CLI prints them as they are)."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _helpers.dcp import replace_planner_data
+from _helpers.state import assert_same
+from dist_workers import models
+from te_gen.adversarial import Call
+
+import fp8state.checkpoint as ckpt
+from fp8state.cli import main
+from fp8state.errors import CheckpointError, UnsafeCheckpointError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    """A DCP folder with FP8 extra states and the non-tensor items training scripts save."""
+    model = models.trained("te", seed=3, salt=3)
+    state = {
+        "model": model.state_dict(),
+        "epoch": 7,
+        "blob": io.BytesIO(b"\x00raw"),
+        "history": [torch.arange(3), 0.5, "text"],
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    return tmp_path / "dcp"
+
+
+def test_untrusted_read_equals_dcps_own(mixed: Path) -> None:
+    untrusted = ckpt.load_dcp_state_dict(mixed, trusted=False)
+    assert_same(
+        untrusted, ckpt.load_dcp_state_dict(mixed), ordered=True, exact_types=True, device="cpu"
+    )
+    assert untrusted["epoch"] == 7 and untrusted["history"][1:] == [0.5, "text"]
+    assert untrusted["model"]["mlp._extra_state"]["schema_version"].item() == 1
+
+
+def test_untrusted_read_of_some_keys(mixed: Path) -> None:
+    some = ckpt.load_dcp_state_dict(mixed, keys={"epoch", "blob"}, trusted=False)
+    assert sorted(some) == ["blob", "epoch"] and some["blob"].getvalue() == b"\x00raw"
+
+
+def test_crafted_metadata_is_refused_before_anything_runs(mixed: Path, tmp_path: Path) -> None:
+    replace_planner_data(mixed, Call(os.system, f"touch {tmp_path / 'ran'}"))
+    with pytest.raises(UnsafeCheckpointError, match="posix.system") as info:
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+    assert info.value.key == os.path.join(str(mixed), ".metadata")
+    assert "Nothing was executed" in info.value.fix and not (tmp_path / "ran").exists()
+
+
+def test_crafted_item_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    folder, marker = tmp_path / "dcp", tmp_path / "ran"
+    dcp.save(
+        {"w": torch.ones(2), "evil": Call(os.system, f"touch {marker}")},
+        checkpoint_id=str(folder),
+        no_dist=True,
+    )
+    with pytest.raises(UnsafeCheckpointError, match="posix.system") as info:
+        ckpt.load_dcp_state_dict(folder, trusted=False)
+    assert info.value.key == f"{folder}/evil" and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "paths",
+    [
+        pytest.param({"w": ("w", 10**12)}, id="huge-list-index"),
+        pytest.param({"w": ()}, id="empty-path"),
+        pytest.param({"w": ("a",), "v": ("a",)}, id="two-items-one-path"),
+        pytest.param({"w": ("a", "b"), "v": ("a",)}, id="item-over-a-dict"),
+        pytest.param({"w": ("w",), "v": ("w", "x")}, id="item-inside-a-tensor"),
+    ],
+)
+def test_crafted_item_paths_are_refused(tmp_path: Path, paths: dict[str, Any]) -> None:
+    folder = tmp_path / "dcp"
+    dcp.save({"w": torch.ones(2), "v": torch.zeros(1)}, checkpoint_id=str(folder), no_dist=True)
+    replace_planner_data(folder, paths)
+    with pytest.raises(CheckpointError, match="item paths that do not nest"):
+        ckpt.load_dcp_state_dict(folder, trusted=False)
+
+
+def test_damaged_metadata_and_items(mixed: Path) -> None:
+    shard = next(p for p in mixed.iterdir() if p.suffix == ".distcp")
+    blob = shard.read_bytes()
+    shard.write_bytes(b"\x80\x02garbage" * 100)  # every item's bytes are now garbage
+    with pytest.raises(CheckpointError, match="damaged"):
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+    shard.write_bytes(blob)
+    (mixed / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(CheckpointError, match="unreadable metadata file"):
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted", "untrusted"])
+def test_missing_shard_is_one_line(mixed: Path, trusted: bool) -> None:
+    next(p for p in mixed.iterdir() if p.suffix == ".distcp").unlink()
+    with pytest.raises(CheckpointError, match="missing or damaged") as info:
+        ckpt.load_dcp_state_dict(mixed, trusted=trusted)
+    assert "\n" not in str(info.value) and "FileNotFoundError" in info.value.found
+
+
+def test_cli_consolidate_reports_a_missing_shard_in_one_line(
+    mixed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    next(p for p in mixed.iterdir() if p.suffix == ".distcp").unlink()
+    assert main(["consolidate", str(mixed), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "missing or damaged" in err
+
+
+def test_cli_consolidate_names_a_refused_object_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "dcp"
+    dcp.save(
+        {"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)},
+        checkpoint_id=str(folder),
+        no_dist=True,
+    )
+    assert main(["consolidate", str(folder), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refuses (argparse.Namespace)" in err
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_dcp_load_reports_a_missing_shard_in_one_line(tmp_path: Path) -> None:
+    ckpt.dcp_save(models.build("te", seed=3), tmp_path / "dcp")
+    next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp").unlink()
+    with pytest.raises(CheckpointError, match="DCP failed to read") as info:
+        ckpt.dcp_load(models.build("te", seed=4), tmp_path / "dcp")
+    assert "\n" not in str(info.value) and "FileNotFoundError" in info.value.found
