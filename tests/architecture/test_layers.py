@@ -117,3 +117,23 @@ def test_architecture_page_lists_the_layers_and_packages() -> None:
     assert documented == [(name, units) for name, units in LAYERS]
     on_disk = {name.split(".")[1] for name in modules_of(PACKAGE) if "." in name}
     assert on_disk | {"__init__"} == {u for _, units in LAYERS for u in units}
+
+
+def test_names_say_one_thing() -> None:
+    """The function is fp8state.recalibrate, its package fp8state.recalibration; likewise
+    convert; every sub-command lives in cli/<name>_cmd.py."""
+    import importlib
+    import inspect
+
+    import fp8state
+    import fp8state.cli
+
+    assert inspect.isfunction(fp8state.recalibrate)
+    assert importlib.import_module("fp8state.recalibration").recalibrate is fp8state.recalibrate
+    assert importlib.import_module("fp8state.convert").convert_model is fp8state.convert_model
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("fp8state.recalibrate")
+    commands = fp8state.cli._COMMANDS
+    assert commands == {name: f"fp8state.cli.{name}_cmd" for name in commands}
+    files = {p.stem for p in (PACKAGE / "cli").glob("*_cmd.py")}
+    assert files == {f"{name}_cmd" for name in commands}
