@@ -4,7 +4,6 @@ state (``assert_state_equal``), and a module before and after (``snapshot``/``as
 
 from __future__ import annotations
 
-import copy
 import io
 from collections.abc import Mapping
 from typing import Any
@@ -156,7 +155,7 @@ def snapshot(module: nn.Module) -> dict[str, Any]:
         },
         "identity": {k: id(t) for k, t in tensors.items()},
         "recipes": {n: m.fp8_recipe for n, m in _fp8_modules(module).items()},
-        "new_step": {n: copy.deepcopy(m._fp8_new_step) for n, m in _fp8_modules(module).items()},
+        "new_step": {n: m._fp8_step_flags() for n, m in _fp8_modules(module).items()},
     }
 
 
