@@ -158,7 +158,9 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
     def fp8_meta(self, direction: Direction) -> DirectionState:
         """The live buffers of ``direction`` (``"fwd"`` or ``"bwd"``)."""
         self._require_meta()
-        names = by_direction(direction, BUFFER_NAMES["fwd"], BUFFER_NAMES["bwd"])
+        names = BUFFER_NAMES.get(direction)
+        if names is None:
+            names = by_direction(direction, (), ())  # raises: names the unknown direction
         # _buffers directly: nn.Module.__getattr__ is slow, and this runs several times a step.
         buffers = self._buffers
         hist, scale, scale_inv = (cast(torch.Tensor, buffers[n]) for n in names)

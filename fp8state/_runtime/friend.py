@@ -78,7 +78,8 @@ class StepBookkeeping:
     Two pieces of state, both set by ``init_fp8_meta``: ``_fp8_new_step`` (per direction,
     whether the next amax record opens a new step: shifts the history down one row) and
     ``_fp8_mutations`` (bumped by every change of the metadata through the module, so a staged
-    payload knows when it is stale). Plain attributes, written through :func:`set_plain_attr`.
+    payload knows when it is stale). Plain attributes, written to the instance dict
+    (:func:`set_plain_attr` says why).
     """
 
     _fp8_mutations: int
@@ -88,12 +89,15 @@ class StepBookkeeping:
     def _fp8_mutation_count(self) -> int:
         return self._fp8_mutations
 
+    # These two run per cast and, for every module, at each step's end: they write the instance
+    # dict themselves, with no nested call (set_plain_attr says why the dict is the same).
     def _fp8_touch(self) -> None:
-        set_plain_attr(self, "_fp8_mutations", self._fp8_mutations + 1)
+        self.__dict__["_fp8_mutations"] += 1
 
     def _fp8_close_step(self, direction: Direction) -> None:
-        self._fp8_new_step[direction] = True
-        self._fp8_touch()
+        state = self.__dict__
+        state["_fp8_new_step"][direction] = True
+        state["_fp8_mutations"] += 1
 
     def _fp8_continue_step(self, direction: Direction) -> None:
         """The next record max-combines into row 0 instead of opening a new step."""
