@@ -38,8 +38,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("modules", ("modules",)),
     ("model-level", ("convert", "recalibration", "checkpoint")),
     ("migration", ("migrate",)),
+    ("integrations", ("integrations",)),
     ("cli", ("cli",)),
-    ("package", ("__init__",)),
+    ("package", ("__init__", "__main__")),
 )
 
 
