@@ -9,7 +9,7 @@ from fp8state.autocast import fp8_autocast, is_fp8_enabled
 from fp8state.convert import convert_model, plan_conversion
 from fp8state.formats import Format
 from fp8state.mixin import FP8StateMixin
-from fp8state.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from fp8state.modules import Conv1D, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from fp8state.recalibration import CalibrationReport, recalibrate
 from fp8state.recipe import DelayedScaling
 
@@ -24,6 +24,7 @@ __all__ = [
     "RMSNorm",
     "LayerNormLinear",
     "LayerNormMLP",
+    "Conv1D",
     "fp8_autocast",
     "is_fp8_enabled",
     "convert_model",

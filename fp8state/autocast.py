@@ -8,6 +8,12 @@ Timing, as in TransformerEngine:
    over ``fp8_group`` in one collective and the forward scales updated.
 3. When the backward pass finishes (an autograd-engine callback queued by the first FP8
    backward of the pass), the same happens for backward, over the group captured at forward.
+   A backward pass run from inside another one (a reentrant checkpoint backpropagates its
+   recomputed segment so) leaves its update to the outer pass, as if the graph had not
+   been checkpointed.
+4. A context entered while a forward is recomputed (``fp8_autocast`` inside a checkpointed
+   function) changes nothing: the recomputation replays its forward's own context and scales
+   (:mod:`fp8state._runtime.recompute`), records nothing, and updates nothing at exit.
 
 The context stack is thread-local (like ``torch.autocast``). The backward registry is shared,
 behind a lock, because autograd runs backward on its own threads.
@@ -21,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fp8state._runtime import recompute
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 from fp8state.backends import BACKENDS
 from fp8state.errors import ConfigError
@@ -67,6 +74,9 @@ class _BackwardRegistry:
         # a pass that raises never runs its final callbacks, and a single flag would then stay
         # set forever, so no later backward would ever update its scales.
         self.queued_tasks: set[int] = set()
+        # Passes that recompute a checkpointed forward: their flush is queued, and the passes
+        # run from inside them (reentrant checkpoints) leave the update to them.
+        self.holding: set[int] = set()
 
     def register(self, module: FP8StateMixin, ctx: FP8Context) -> None:
         task = torch._C._current_graph_task_id()
@@ -75,14 +85,39 @@ class _BackwardRegistry:
             queue = task not in self.queued_tasks
             self.queued_tasks.add(task)
         if queue:
-            # Runs once the whole backward pass is done, whatever the graph's shape.
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush(task))
+            self._queue_flush(task)
+
+    def hold(self, task: int) -> None:
+        with self.lock:
+            if task in self.holding:
+                return
+            self.holding.add(task)
+            queue = task not in self.queued_tasks
+            self.queued_tasks.add(task)
+        if queue:
+            self._queue_flush(task)
+
+    def _queue_flush(self, task: int) -> None:
+        # Runs once the whole backward pass is done, whatever the graph's shape.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.flush(task))
 
     def flush(self, task: int | None = None) -> None:
+        nested = task is not None and torch._C._current_autograd_node() is not None
         with self.lock:
-            pending, self.pending = self.pending, PendingSteps()
             if task is not None:
                 self.queued_tasks.discard(task)
+            if nested and self.holding - {task}:
+                # A pass run from inside a node of a pass that recomputes (a reentrant
+                # checkpoint's): that pass updates once at its end, as without checkpoints.
+                return
+            if nested:
+                self.holding.discard(task)
+            else:
+                # No pass runs on this thread any more. Holds of passes that raised (their
+                # callbacks never ran) go too; concurrent passes on other threads already
+                # share one update (the registry is process-wide).
+                self.holding.clear()
+            pending, self.pending = self.pending, PendingSteps()
         reduce_and_update("bwd", pending)
 
 
@@ -114,6 +149,17 @@ def register_forward(module: FP8StateMixin, ctx: FP8Context) -> None:
 def register_backward(module: FP8StateMixin, ctx: FP8Context) -> None:
     """Note that ``module`` recorded backward amaxes in the running backward pass."""
     _BACKWARD.register(module, ctx)
+
+
+def hold_backward_update() -> None:
+    """Note that a forward is recomputed in the running backward pass.
+
+    The pass's backward scale update then waits for its end, also for the backward passes run
+    from inside it (a reentrant checkpoint backpropagates its recomputed segment in one).
+    """
+    task = torch._C._current_graph_task_id()
+    if task != -1:  # a drop-in scope replaying outside backward has no pass to hold
+        _BACKWARD.hold(task)
 
 
 class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a function
@@ -185,7 +231,9 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 "Create a new fp8_autocast(...) for each `with` block.",
             )
         self._entered = True
-        if not _THREAD.stack:
+        if not _THREAD.stack and not recompute.replaying():
+            # Outermost: its exit updates the scales. Not in a recomputation, which replays
+            # its forward's scales and leaves the pending set None: nothing to update.
             _THREAD.fwd_pending = PendingSteps()
         _THREAD.stack.append(self._ctx)
         return self

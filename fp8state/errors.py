@@ -22,6 +22,7 @@ __all__ = [
     "DistributedStateError",
     "ConversionError",
     "ConfigError",
+    "RecomputationError",
 ]
 
 
@@ -90,12 +91,12 @@ class SchemaVersionError(SchemaError):
         >>> from fp8state.errors import SchemaVersionError
         >>> from fp8state.schema import default_payload, unpack
         >>> payload = default_payload(num_gemms=1)
-        >>> payload["schema_version"] = torch.tensor(2)  # as a newer fp8state would write
+        >>> payload[0] = 3.0  # the header's version, as a newer fp8state would write it
         >>> try:
         ...     unpack(payload)
         ... except SchemaVersionError as err:
         ...     print(err.found, "|", err.fix)
-        version 2 | Upgrade fp8state to read this checkpoint.
+        version 3 | Upgrade fp8state to read this checkpoint.
     """
 
 
@@ -149,3 +150,23 @@ class ConversionError(FP8StateError, ValueError):
 
 class ConfigError(FP8StateError, ValueError):
     """A module or function was given arguments it cannot work with."""
+
+
+class RecomputationError(FP8StateError, RuntimeError):
+    """An activation recomputation cannot replay its forward's FP8 state exactly.
+
+    Raised before the call computes anything, instead of computing other numbers.
+
+    ``torch.utils.checkpoint`` runs a checkpointed function again during backward. fp8state
+    replays each FP8 GEMM of that run with the scales and settings of its forward; where it
+    cannot tell which forward a recomputation belongs to (several forwards of the module with
+    different scales wait for one backward), or kept no record of it, it raises this.
+    ``fp8state.functional.activation_checkpoint`` replays every case exactly
+    (``docs/activation_checkpointing.md``).
+
+    Example:
+        >>> from fp8state.errors import FP8StateError, RecomputationError
+        >>> err = RecomputationError("Linear (GEMM 0)", "2 forwards", "one", "Use the drop-in.")
+        >>> isinstance(err, FP8StateError), err.key
+        (True, 'Linear (GEMM 0)')
+    """

@@ -6,9 +6,9 @@ in ``__init__``. The mixin then
 1. holds the metadata as non-persistent buffers (``fp8_{fwd,bwd}_{amax_history,scale,
    scale_inv}``), so ``.to()``, ``.cuda()``, ``to_empty()`` and FSDP move them with the module;
 2. records amaxes and updates scales with the pure functions of :mod:`fp8state.scaling`;
-3. serializes the metadata in ``get_extra_state`` as a flat dict of CPU tensors
-   (:mod:`fp8state.schema`), and restores it in ``set_extra_state`` onto the module's own device
-   after validating everything.
+3. serializes the metadata in ``get_extra_state`` as one CPU float32 tensor
+   (:mod:`fp8state.schema`, version 2), so the module's state dict holds tensors only, and
+   restores it in ``set_extra_state`` onto the module's own device after validating everything.
 
 Load order: PyTorch's ``_load_from_state_dict`` copies parameters, then calls
 ``set_extra_state``. The mixin validates the extra state *before* that, so a bad payload raises
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fp8state import scaling
-from fp8state._runtime import meta_io, staging
+from fp8state._runtime import meta_io, recompute, staging
 from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES
 from fp8state._runtime.friend import StepBookkeeping
 from fp8state._runtime.generation import bump_buffer_generation
@@ -55,7 +55,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         ...         self.w2 = torch.nn.Parameter(torch.randn(8, 8))
         ...         self.init_fp8_meta(num_gemms=2)
         >>> m = TwoGemms()
-        >>> sorted(m.get_extra_state())[:3]
+        >>> sorted(fp8state.schema.as_mapping(m.get_extra_state()))[:3]
         ['bwd.amax_history', 'bwd.scale', 'bwd.scale_inv']
         >>> m.fp8_meta("fwd").scale.shape
         torch.Size([6])
@@ -246,6 +246,8 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         Opens a new step first if the last scale update closed one (the history shifts down),
         so a kernel can max-combine its amax straight into the returned view.
         """
+        if direction == "fwd":  # a recomputation replays fp8state's calls without this
+            recompute.refuse_forward_record(self)
         hist = self.fp8_meta(direction).amax_history
         self._fp8_touch()  # a kernel may write the cell without bumping its _version
         if self._fp8_new_step[direction]:
@@ -313,11 +315,11 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         meta_io.ensure_rows(self, rows, stacklevel=6)
 
     # ------------------------------------------------------------------ checkpointing
-    def get_extra_state(self) -> dict[str, torch.Tensor]:
-        """Return the metadata as a schema payload of CPU tensors (see ``docs/schema.md``).
+    def get_extra_state(self) -> torch.Tensor:
+        """Return the metadata as a schema payload: one CPU float32 tensor (``docs/schema.md``).
 
         One device-to-host transfer at most and no device-wide synchronize. A module on
-        ``meta`` returns ``meta`` tensors of the same shapes (there is no data to save).
+        ``meta`` returns a ``meta`` tensor of the same shape (there is no data to save).
         """
         self._require_meta()  # a clear error for a subclass that never called init_fp8_meta
         # model.state_dict() asks every module in turn: the first request stages them all with

@@ -1,22 +1,33 @@
-"""The extra-state schema: pack FP8 metadata into a flat ``dict[str, Tensor]`` and read it back.
+"""The extra-state schema: a module's FP8 metadata as one tensor, and back, validated.
 
-The payload is specified in ``docs/schema.md``. In short (version 1): ``schema_version`` (int64,
-0-d), ``{fwd,bwd}.{amax_history,scale,scale_inv}`` (float32) and ``recipe.{fp8_format,margin,
-amax_history_len,amax_compute_algo}`` (int64, 0-d). Only tensors, so ``torch.load(weights_only=
-True)``, safetensors and ``torch.distributed.checkpoint`` all read it.
+The payload is specified in ``docs/schema.md``. It has eleven fields: ``schema_version``,
+``{fwd,bwd}.{amax_history,scale,scale_inv}`` (float32) and ``recipe.{fp8_format,margin,
+amax_history_len,amax_compute_algo}`` (integers). Version 2 stores them as one 1-D float32 tensor
+under ``<prefix>_extra_state`` (:mod:`fp8state._layout`), so a model's state dict holds tensors
+only and safetensors, Hugging Face, Accelerate and ``torch.distributed.checkpoint`` take it as
+they take any weight. Version 1 stored the same fields as a dict of tensors; it still loads.
 
-Reading goes: upgrade older versions step by step (pure functions in :data:`UPGRADERS`), refuse
-newer ones, then validate every key, dtype, shape and value before anything is returned.
+Reading goes: open the tensor form, or upgrade an older dict step by step (pure functions in
+:data:`UPGRADERS`), refuse newer versions, then validate every key, dtype, shape and value
+before anything is returned. :func:`as_mapping` gives the fields by name, for reading.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from fp8state._layout import (
+    PAYLOAD_KEYS,
+    RECIPE_FIELDS,
+    TENSOR_FIELDS,
+    DirectionState,
+    from_packed,
+    to_packed,
+)
 from fp8state._payload_checks import (
     check_consistency,
     check_flat,
@@ -46,11 +57,13 @@ __all__ = [
     "FP8State",
     "pack",
     "unpack",
+    "as_mapping",
+    "is_payload",
     "default_payload",
     "slots_per_gemm",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: The state-dict key suffix of a module's extra state (PyTorch's name for it).
 EXTRA_STATE_KEY = "_extra_state"
 
@@ -66,35 +79,38 @@ def is_extra_state_key(key: object) -> bool:
     return isinstance(key, str) and (key == EXTRA_STATE_KEY or key.endswith("." + EXTRA_STATE_KEY))
 
 
-class DirectionState(NamedTuple):
-    """Metadata of one direction: ``amax_history (rows, n)``, ``scale (n,)``, ``scale_inv (n,)``.
-
-    A module's live buffers (:meth:`fp8state.FP8StateMixin.fp8_meta`) and a validated payload
-    (:func:`unpack`) both come as one; it unpacks as ``hist, scale, scale_inv``.
-    """
-
-    amax_history: torch.Tensor
-    scale: torch.Tensor
-    scale_inv: torch.Tensor
-
-
-#: The tensors of one direction, in buffer and payload order.
-TENSOR_FIELDS: tuple[str, ...] = DirectionState._fields
-_RECIPE_FIELDS = ("fp8_format", "margin", "amax_history_len", "amax_compute_algo")
-#: A payload's keys, in the order :func:`pack` writes them.
-PAYLOAD_KEYS = (
-    "schema_version",
-    *(f"{d}.{f}" for d in DIRECTIONS for f in TENSOR_FIELDS),
-    *(f"recipe.{f}" for f in _RECIPE_FIELDS),
-)
 _REQUIRED = frozenset(PAYLOAD_KEYS)
 
 Payload = dict[str, torch.Tensor]
 
-#: Upgrade functions: ``UPGRADERS[n]`` turns a version-``n`` payload into a version ``n + 1``
-#: payload. Pure: they build a new dict and never modify their argument. Empty at version 1;
-#: the first schema change adds ``UPGRADERS[1]``.
-UPGRADERS: dict[int, Callable[[Mapping[str, Any]], Payload]] = {}
+
+def _upgrade_1_to_2(payload: Mapping[str, Any]) -> Payload:
+    """Version 2 holds the same fields; only where they sit in a state dict changed."""
+    upgraded = dict(payload)
+    upgraded["schema_version"] = torch.tensor(2, dtype=torch.int64, device="cpu")
+    return upgraded
+
+
+#: Upgrade functions: ``UPGRADERS[n]`` turns a version-``n`` mapping into a version ``n + 1``
+#: mapping. Pure: they build a new dict and never modify their argument.
+UPGRADERS: dict[int, Callable[[Mapping[str, Any]], Payload]] = {1: _upgrade_1_to_2}
+
+
+def is_payload(value: object) -> bool:
+    """True for an fp8state payload: schema 2's float32 tensor or a dict with a version.
+
+    TransformerEngine's forms are uint8 tensors, ``io.BytesIO``, dicts without a
+    ``schema_version``, lists, None, and (v1.13) an *empty* float32 tensor: none of them is one.
+
+    Example:
+        >>> import torch
+        >>> from fp8state.schema import default_payload, is_payload
+        >>> is_payload(default_payload(num_gemms=1)), is_payload(torch.empty(0, dtype=torch.uint8))
+        (True, False)
+    """
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float32 and value.dim() == 1 and value.numel() > 0
+    return isinstance(value, Mapping) and "schema_version" in value
 
 
 def slots_per_gemm(direction: Direction) -> int:
@@ -137,9 +153,22 @@ class FP8State:
         """``self.fwd`` or ``self.bwd`` by name."""
         return by_direction(name, self.fwd, self.bwd)
 
+    def as_mapping(self) -> Payload:
+        """The fields by payload key (the state's own tensors; integers as 0-d int64)."""
+        out: Payload = {
+            "schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64, device="cpu")
+        }
+        for d in DIRECTIONS:
+            out.update(
+                (f"{d}.{f}", t) for f, t in zip(TENSOR_FIELDS, self.direction(d), strict=True)
+            )
+        for field, value in self.recipe.to_scalars().items():
+            out[f"recipe.{field}"] = torch.tensor(value, dtype=torch.int64, device="cpu")
+        return out
 
-def pack(state: FP8State) -> Payload:
-    """Return the schema payload of ``state``: CPU tensors that share no storage with it.
+
+def pack(state: FP8State) -> torch.Tensor:
+    """Return the schema payload of ``state``: one new CPU float32 tensor (``docs/schema.md``).
 
     Device tensors are concatenated and moved in one device-to-host transfer; no device-wide
     synchronization happens (the copy waits only for the current stream).
@@ -148,44 +177,40 @@ def pack(state: FP8State) -> Payload:
         >>> import torch
         >>> from fp8state.schema import default_payload, pack, unpack
         >>> payload = default_payload(num_gemms=1, rows=4)
-        >>> again = pack(unpack(payload))
-        >>> sorted(again) == sorted(payload)
-        True
-        >>> all(torch.equal(again[k], payload[k]) for k in payload)
+        >>> payload.dtype, tuple(payload.shape)  # 7 header values, (4 + 2) rows of 5 slots
+        (torch.float32, (37,))
+        >>> torch.equal(pack(unpack(payload)), payload)
         True
     """
-    parts = [getattr(state.direction(d), f) for d in DIRECTIONS for f in TENSOR_FIELDS]
-    if parts[0].device.type == "cpu":
-        host = [p.detach().clone() for p in parts]
-    else:
-        flat = torch.cat([p.detach().reshape(-1) for p in parts]).to("cpu")
-        host = [
-            chunk.view(p.shape).clone()
-            for chunk, p in zip(flat.split([p.numel() for p in parts]), parts, strict=True)
-        ]
-    # device="cpu": a `with torch.device(...)` default must not move the payload.
-    payload: Payload = {
-        "schema_version": torch.tensor(SCHEMA_VERSION, dtype=torch.int64, device="cpu")
-    }
-    names = [f"{d}.{f}" for d in DIRECTIONS for f in TENSOR_FIELDS]
-    payload.update(zip(names, host, strict=True))
-    for field, value in state.recipe.to_scalars().items():
-        payload[f"recipe.{field}"] = torch.tensor(value, dtype=torch.int64, device="cpu")
-    return payload
+    tensors = [getattr(state.direction(d), f) for d in DIRECTIONS for f in TENSOR_FIELDS]
+    return to_packed(SCHEMA_VERSION, list(state.recipe.to_scalars().values()), tensors)
+
+
+def as_mapping(payload: object, *, num_gemms: int | None = None) -> Payload:
+    """The fields of a payload (any version, validated) by key, for reading.
+
+    Example:
+        >>> from fp8state.schema import as_mapping, default_payload
+        >>> fields = as_mapping(default_payload(num_gemms=1, rows=4))
+        >>> tuple(fields["fwd.amax_history"].shape), int(fields["recipe.amax_history_len"])
+        ((4, 3), 4)
+    """
+    return unpack(payload, num_gemms=num_gemms).as_mapping()
 
 
 def default_payload(
     num_gemms: int, rows: int = DEFAULT_HISTORY_ROWS, recipe: DelayedScaling | None = None
-) -> Payload:
+) -> torch.Tensor:
     """Payload of a module that never ran in FP8: zero histories, scales and scale_invs of 1.
 
     Example:
         >>> from fp8state.schema import default_payload
-        >>> payload = default_payload(num_gemms=2, rows=4)
+        >>> from fp8state.schema import as_mapping
+        >>> payload = as_mapping(default_payload(num_gemms=2, rows=4))
         >>> tuple(payload["fwd.amax_history"].shape), payload["bwd.scale"].tolist()
         ((4, 6), [1.0, 1.0, 1.0, 1.0])
         >>> int(payload["schema_version"]), int(payload["recipe.amax_history_len"])
-        (1, 4)
+        (2, 4)
     """
     recipe = recipe or DelayedScaling(amax_history_len=min(DEFAULT_HISTORY_ROWS, rows))
 
@@ -200,8 +225,9 @@ def unpack(payload: object, *, num_gemms: int | None = None) -> FP8State:
     """Validate a payload of any known schema version and return its contents.
 
     Args:
-        payload: What ``get_extra_state`` returned, possibly after a save/load round trip.
-            Tensors may be on any real device; they are not copied.
+        payload: What ``get_extra_state`` returned (schema 2's tensor), possibly after a
+            save/load round trip, or a schema-1 dict of tensors. Tensors may be on any real
+            device; they are not copied.
         num_gemms: GEMM count the payload must have (the loading module's), or None to accept
             any consistent count.
 
@@ -226,11 +252,20 @@ def unpack(payload: object, *, num_gemms: int | None = None) -> FP8State:
         ...     print(err.key, "|", err.found)
         ['fwd.scale'] | metadata for 1 GEMM(s) (3 slots)
     """
+    if isinstance(payload, torch.Tensor):
+        if payload.is_meta:
+            raise SchemaError(
+                "",
+                "a tensor on the meta device (no data)",
+                "a tensor with data, on any real device",
+                "Load the checkpoint from a file, not from a model still on the meta device.",
+            )
+        payload = from_packed(payload)
     if not isinstance(payload, Mapping):
         raise SchemaError(
             "",
             f"a {type(payload).__name__}",
-            "a dict[str, Tensor] (fp8state extra-state schema)",
+            "a 1-D float32 tensor (fp8state extra-state schema 2) or a schema-1 dict",
             "Pass what an fp8state module's get_extra_state() returned; for a "
             "TransformerEngine checkpoint use fp8state.migrate.load_te_checkpoint.",
         )
@@ -292,13 +327,13 @@ def _check_keys(payload: Mapping[str, torch.Tensor]) -> None:
         raise SchemaError(
             payload_key(extra[0]),
             f"unexpected keys {extra}",
-            f"only the schema-{SCHEMA_VERSION} keys",
+            "only the schema's keys",
             "A newer writer must raise schema_version; remove keys added by hand.",
         )
 
 
 def _unpack_recipe(payload: Mapping[str, torch.Tensor]) -> DelayedScaling:
-    scalars = {field: int_scalar(payload, f"recipe.{field}") for field in _RECIPE_FIELDS}
+    scalars = {field: int_scalar(payload, f"recipe.{field}") for field in RECIPE_FIELDS}
     try:
         return DelayedScaling.from_scalars(scalars)
     except RecipeError as err:

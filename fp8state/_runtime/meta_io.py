@@ -23,6 +23,7 @@ from fp8state.schema import (
     TENSOR_FIELDS,
     DirectionState,
     FP8State,
+    is_payload,
     pack,
     slots_per_gemm,
     unpack,
@@ -61,11 +62,11 @@ def allocate(
             module.register_buffer(buffer_name(d, field), tensor, persistent=False)
 
 
-def payload_of(state: FP8State) -> dict[str, torch.Tensor]:
-    """The schema payload of a module's live state; ``meta`` tensors for a module on meta."""
+def payload_of(state: FP8State) -> torch.Tensor:
+    """The schema payload of a module's live state; a ``meta`` tensor for a module on meta."""
     if state.fwd.scale.device.type == "meta":
         placeholder = FP8State(_zeros_like(state.fwd), _zeros_like(state.bwd), state.recipe)
-        return {k: torch.empty_like(v, device="meta") for k, v in pack(placeholder).items()}
+        return torch.empty_like(pack(placeholder), device="meta")
     return pack(state)
 
 
@@ -81,7 +82,7 @@ def validate_for(module: FP8Friend, state: Any) -> FP8State:
         payload key at fault as the error's key.
     """
     num_gemms = module.fp8_num_gemms
-    if not (isinstance(state, Mapping) and "schema_version" in state):
+    if not is_payload(state):
         # Imported here: fp8state payloads never need the TE decoder (docs/migration.md).
         from fp8state._te.extra_state import decode_te_extra_state
         from fp8state.schema import default_payload
@@ -187,8 +188,13 @@ def _onto(state: Any, device: torch.device) -> Any:
     (``map_location="cuda:0"`` for a module on cuda:1) would otherwise allocate its temporaries
     there. CPU tensors stay: validating them allocates nothing on any GPU.
     """
-    if not isinstance(state, Mapping) or device.type == "meta":
+    if device.type == "meta":
         # A meta module takes the payload's own device (apply_to): validate it there.
+        return state
+    if isinstance(state, torch.Tensor):
+        foreign_tensor = not state.is_cpu and not state.is_meta and state.device != device
+        return state.to(device) if foreign_tensor else state
+    if not isinstance(state, Mapping):
         return state
     target = device
     foreign = [

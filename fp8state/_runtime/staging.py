@@ -13,11 +13,10 @@ one made through ``.data``, which PyTorch does not count) must be unchanged sinc
 Otherwise the module packs afresh. So a state dict taken right after training continues is
 always current, and one taken earlier never changes (its tensors are CPU copies).
 
-Each module's float32 payload tensors share one small CPU storage of their own (a slice of
-the staged host block), so ``torch.save`` of one module's state, or of one model's while other
-models live in the process (an EMA copy, a teacher), writes only those modules' bytes (plus
-40 bytes per staged module of recipe integers, which share one column per key). From a GPU,
-a payload kept alive keeps the whole host block alive (about 20 KB per staged Linear).
+Each module's payload is a CPU tensor with a storage of its own (its header, then its part of
+the staged block, copied together), so ``torch.save`` of one module's state, or of one model's
+while other models live in the process (an EMA copy, a teacher), writes only those modules'
+bytes, and safetensors (which refuses tensors sharing memory) takes every payload.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ from fp8state._runtime.buffers import ALL_BUFFER_NAMES
 from fp8state._runtime.friend import FP8Friend
 from fp8state._runtime.generation import buffer_generation
 from fp8state._runtime.slot_cast import kernels_available
-from fp8state.schema import PAYLOAD_KEYS, SCHEMA_VERSION
+from fp8state.schema import SCHEMA_VERSION
+from fp8state.slots import FWD_SLOTS_PER_GEMM
 
 __all__ = ["register", "take", "stage"]
 
@@ -43,7 +43,7 @@ _LIVE: weakref.WeakSet[FP8Friend] = weakref.WeakSet()
 # devices: staging one device must not drop another's entries (a model split over GPUs is
 # visited device after device, interleaved).
 _STAGED: dict[
-    int, tuple[weakref.ref[FP8Friend], torch.device, tuple[object, ...], dict[str, torch.Tensor]]
+    int, tuple[weakref.ref[FP8Friend], torch.device, tuple[object, ...], torch.Tensor]
 ] = {}
 
 
@@ -67,7 +67,7 @@ def _stamp(module: FP8Friend, bufs: list[torch.Tensor]) -> tuple[object, ...]:
     )
 
 
-def take(module: FP8Friend) -> dict[str, torch.Tensor] | None:
+def take(module: FP8Friend) -> torch.Tensor | None:
     """``module``'s staged payload if it is still exact, else None; handed out once."""
     entry = _STAGED.pop(id(module), None)
     if entry is None or entry[0]() is not module or entry[2] != _stamp(module, _buffers_of(module)):
@@ -120,50 +120,45 @@ def _stage(device: torch.device) -> None:
                 members.append((module, bufs))
     if not members:
         return
-    blocks = _module_blocks(device, members)
-    rows: dict[object, list[int]] = {}  # most models have one recipe: build its row once
-    scalars = torch.tensor(
+    recipes: dict[object, list[int]] = {}  # most models have one recipe: convert it once
+    # Each module's packed header (fp8state._layout): version, GEMMs, rows, the recipe.
+    headers = torch.tensor(
         [
-            rows.get(r) or rows.setdefault(r, [SCHEMA_VERSION, *r.to_scalars().values()])
-            for r in (m.fp8_recipe for m, _ in members)
+            [
+                SCHEMA_VERSION,
+                bufs[1].shape[0] // FWD_SLOTS_PER_GEMM,
+                bufs[0].shape[0],
+                *(recipes.get(r) or recipes.setdefault(r, list(r.to_scalars().values()))),
+            ]
+            for r, bufs in ((module.fp8_recipe, bufs) for module, bufs in members)
         ],
-        dtype=torch.int64,
+        dtype=torch.float32,
         device="cpu",  # not a `with torch.device(...)` default
-    )
-    # One unbind per scalar key, not five 0-d tensors per module.
-    columns = [column.unbind() for column in scalars.t().contiguous()]
-    # The two history shapes fix all six (scales have as many slots as history columns).
-    sizes: dict[tuple[torch.Size, torch.Size], list[int]] = {}
-    for (module, bufs), block, version, *recipe in zip(members, blocks, *columns, strict=True):
-        fwd_hist, bwd_hist = bufs[0].shape, bufs[3].shape
-        split = sizes.get((fwd_hist, bwd_hist))
-        if split is None:
-            split = sizes[fwd_hist, bwd_hist] = [t.numel() for t in bufs]
-        fh, fs, fi, bh, bs, bi = block.split_with_sizes(split)
-        # In schema.pack's key order: the version, the six buffers, the recipe's integers.
-        payload = dict(
-            zip(
-                PAYLOAD_KEYS,
-                (version, fh.view(fwd_hist), fs, fi, bh.view(bwd_hist), bs, bi, *recipe),
-                strict=True,
-            )
-        )
+    ).unbind()
+    for (module, bufs), payload in zip(
+        members, _packed_payloads(device, members, headers), strict=True
+    ):
         _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs), payload)
 
 
-def _module_blocks(
-    device: torch.device, members: list[tuple[FP8Friend, list[torch.Tensor]]]
+def _packed_payloads(
+    device: torch.device,
+    members: list[tuple[FP8Friend, list[torch.Tensor]]],
+    headers: tuple[torch.Tensor, ...],
 ) -> list[torch.Tensor]:
-    """Per module, a new flat CPU float32 tensor with its six buffers in order."""
-    if device.type == "cpu":  # one concatenation per module beats one of them all here
-        return [torch.cat([t.reshape(-1) for t in bufs]) for _, bufs in members]
+    """Per module, a new CPU float32 tensor: its header, then its six buffers in order."""
+    if device.type == "cpu":
+        return [
+            torch.cat([head, *(t.reshape(-1) for t in bufs)])
+            for head, (_, bufs) in zip(headers, members, strict=True)
+        ]
     tensors = [t for _, bufs in members for t in bufs]
     if kernels_available(device):
         flat = _gather(device, [m for m, _ in members], tensors)
     else:
         flat = torch.cat([t.reshape(-1) for t in tensors])
     if device.type != "cuda":  # a device without pinned transfers
-        return _own_storages(flat.cpu(), members)
+        return _with_headers(flat.cpu(), members, headers)
     # On the metadata's own device: pinned memory and events bind to the current device,
     # which may be another GPU that this process must not touch.
     with torch.cuda.device(device):
@@ -172,25 +167,15 @@ def _module_blocks(
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         done.synchronize()  # this copy only: no device-wide synchronization
-    # Pageable memory: the pinned block goes back to PyTorch's cache for the next staging.
-    host = torch.empty(pinned.shape, dtype=torch.float32, device="cpu")
-    return _own_storages(host.copy_(pinned), members)
+    # Each payload is copied out of the pinned block, which goes back to PyTorch's cache.
+    return _with_headers(pinned, members, headers)
 
 
-def _own_storages(
-    host: torch.Tensor, members: list[tuple[FP8Friend, list[torch.Tensor]]]
+def _with_headers(
+    host: torch.Tensor,
+    members: list[tuple[FP8Friend, list[torch.Tensor]]],
+    headers: tuple[torch.Tensor, ...],
 ) -> list[torch.Tensor]:
-    """Per module, its part of ``host`` as a tensor on a storage of its own.
-
-    A slice of an untyped storage shares the memory (keeping the whole block alive) but is a
-    storage of its own size: ``torch.save`` writes only those bytes, with no copy and no
-    allocation per module.
-    """
-    storage, itemsize = host.untyped_storage(), host.element_size()
-    blocks = []
-    start = host.storage_offset() * itemsize
-    for _, bufs in members:
-        end = start + sum([t.numel() for t in bufs]) * itemsize
-        blocks.append(torch.empty(0, dtype=host.dtype, device="cpu").set_(storage[start:end]))
-        start = end
-    return blocks
+    """Per module, its header and its part of ``host``, concatenated into a new tensor."""
+    sizes = [sum([t.numel() for t in bufs]) for _, bufs in members]
+    return [torch.cat([head, part]) for head, part in zip(headers, host.split(sizes), strict=True)]

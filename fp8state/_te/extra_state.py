@@ -25,7 +25,8 @@ class DecodedExtraState:
     """One decoded TE extra state.
 
     Attributes:
-        payload: The schema-1 payload, or None where the value holds no FP8 state.
+        payload: The schema payload (one CPU float32 tensor), or None where the value holds
+            no FP8 state.
         era: ``"E01"`` ... ``"E07"``, ``"E08-E10"``; for values without state, the eras that
             write that form (``"E09/E10 or ops"``).
         container: How TE stored it (``"uint8 pickle"``, ``"BytesIO archive"``, ``"list"`` ...).
@@ -39,7 +40,7 @@ class DecodedExtraState:
         te_slots: TE's ``(forward, backward)`` FP8 tensor counts before conversion.
     """
 
-    payload: dict[str, torch.Tensor] | None
+    payload: torch.Tensor | None
     era: str
     container: str
     num_gemms: int | None = None
@@ -122,10 +123,8 @@ def decode_te_value(value: object, *, num_gemms: int | None = None) -> DecodedEx
     )
 
 
-def decode_te_extra_state(
-    value: object, *, num_gemms: int | None = None
-) -> dict[str, torch.Tensor] | None:
-    """Decode one TE ``_extra_state`` value of any era (TE v0.1-v2.20) into schema 1.
+def decode_te_extra_state(value: object, *, num_gemms: int | None = None) -> torch.Tensor | None:
+    """Decode one TE ``_extra_state`` value of any era (TE v0.1-v2.20) into the schema.
 
     Neither TransformerEngine nor any pickled code runs: pickled bytes go through fp8state's
     allow-list unpickler. The conversion rules are in ``docs/migration.md``.
@@ -138,8 +137,8 @@ def decode_te_extra_state(
             ``num_gemms``) must agree with it.
 
     Returns:
-        A schema-1 payload (CPU tensors) or None where the value holds no FP8 state (FP8 never
-        ran, a stateless recipe, an ops-based norm).
+        A schema payload (one CPU float32 tensor) or None where the value holds no FP8
+        state (FP8 never ran, a stateless recipe, an ops-based norm).
 
     Raises:
         UnsafeCheckpointError: pickled data names a global outside the allow-list (nothing ran).
@@ -157,7 +156,8 @@ def decode_te_extra_state(
         ...     "scale_inv_bwd": torch.ones(2), "amax_history_bwd": torch.zeros(4, 2),
         ...     "extra_fp8_variables": {"num_gemms": 1},
         ... }, te_v1)
-        >>> payload = decode_te_extra_state(te_v1, num_gemms=1)
+        >>> from fp8state.schema import as_mapping
+        >>> payload = as_mapping(decode_te_extra_state(te_v1, num_gemms=1))
         >>> payload["fwd.amax_history"].shape, int(payload["recipe.amax_history_len"])
         (torch.Size([4, 3]), 4)
     """

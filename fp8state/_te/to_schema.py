@@ -1,4 +1,4 @@
-"""The conversion rules: TE's FP8 tensors (any era) -> an fp8state schema-1 payload.
+"""The conversion rules: TE's FP8 tensors (any era) -> an fp8state schema payload.
 
 The rules are exact, so two implementations give bit-identical results:
 
@@ -43,14 +43,14 @@ class Converted:
     """A converted extra state and how its recipe was obtained.
 
     Attributes:
-        payload: The schema-1 payload (CPU tensors).
+        payload: The schema payload (one CPU float32 tensor, :func:`fp8state.schema.pack`).
         recipe: Its recipe.
         recipe_source: ``"pickled recipe"`` or ``"defaults"`` (pre-v2 eras store none).
         defaulted: Recipe fields that got a default because TE did not store them.
         notes: Anything else worth reporting (a pickled history length that differs from L).
     """
 
-    payload: dict[str, torch.Tensor]
+    payload: torch.Tensor
     recipe: DelayedScaling
     recipe_source: str
     defaulted: tuple[str, ...]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fp8state.mixin import FP8StateMixin
-from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key
+from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key, is_payload
 
 _CHECKPOINT_WRAPPER_SEGMENT = "_checkpoint_wrapped_module"
 
@@ -130,8 +130,8 @@ class KeyResolver:
 
 
 def is_fp8_payload(value: object) -> bool:
-    """True for an fp8state extra-state payload (a mapping with a ``schema_version``)."""
-    return isinstance(value, Mapping) and "schema_version" in value
+    """True for an fp8state extra-state payload (:func:`fp8state.schema.is_payload`)."""
+    return is_payload(value)
 
 
 def iter_extra_states(obj: object, prefix: str = "") -> Iterator[tuple[str, object]]:

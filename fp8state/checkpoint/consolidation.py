@@ -7,9 +7,11 @@ loads into a model on one device with ``load_state_dict(strict=True)``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
-import tempfile
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,88 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def _exists(out: str) -> CheckpointError:
+    return CheckpointError(
+        out,
+        "an existing file",
+        "a path that does not exist yet",
+        "Choose another output path, or pass overwrite=True to replace it.",
+    )
+
+
+# The steps of fp8state.migrate.writer.write_atomically, which sits a layer above this one:
+# a new file beside ``out`` (mode 0o666 less the umask, as torch.save's own), synced, read
+# back, then renamed (or hard-linked, which never replaces a file) into place.
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+_NO_LINK = (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
+
+
+def _write(state: object, out: str, num_tensors: int, source: str, overwrite: bool) -> None:
+    """``torch.save(state, out)`` atomically, read back with ``weights_only=True`` first."""
+    directory = os.path.dirname(os.path.abspath(out))
+    tmp = os.path.join(directory, f".consolidate-{secrets.token_hex(4)}.pt")
+    fd = os.open(tmp, _FLAGS, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        _check_readable(tmp, out, num_tensors, source)
+        if overwrite:
+            os.replace(tmp, out)
+        else:
+            _link(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    if os.name == "posix":  # the new name is on disk once the folder is
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+
+def _link(tmp: str, out: str) -> None:
+    """Give ``tmp`` the name ``out`` unless a file has it (one may appear while writing)."""
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise _exists(out) from None
+    except OSError as err:
+        if err.errno not in _NO_LINK:  # a file system without hard links: check, then rename
+            raise
+        if os.path.lexists(out):
+            raise _exists(out) from None
+        os.replace(tmp, out)
+        return
+    os.remove(tmp)
+
+
+def _check_readable(tmp: str, out: str, num_tensors: int, source: str) -> None:
+    """Read ``tmp`` back as every user will: a file weights_only cannot read is not written."""
+    try:
+        back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        what = refused_global(err) or str(err).splitlines()[0]
+        raise CheckpointError(
+            source,
+            f"items torch.load(weights_only=True) refuses ({what})",
+            "tensors and plain containers only",
+            "Nothing was written. The checkpoint holds pickled Python objects besides the "
+            "model (e.g. a custom optimizer state); save those separately.",
+        ) from err
+    if len(_tensors(back)) != num_tensors:
+        raise CheckpointError(
+            out,
+            f"{len(_tensors(back))} tensors read back",
+            f"{num_tensors} tensors",
+            "The disk may be full or failing; check it and run consolidate again.",
+        )
 
 
 def consolidate(
@@ -93,13 +177,8 @@ def consolidate(
         <All keys matched successfully>
     """
     out = os.fspath(out_path)
-    if os.path.exists(out) and not overwrite:
-        raise CheckpointError(
-            out,
-            "an existing file",
-            "a path that does not exist yet",
-            "Choose another output path, or pass overwrite=True to replace it.",
-        )
+    if os.path.lexists(out) and not overwrite:
+        raise _exists(out)
     state = load_dcp_state_dict(dcp_dir)
     fp8_keys: list[str] = []
     problems: list[FP8StateError] = []
@@ -120,35 +199,7 @@ def consolidate(
             problems,
         )
     tensors = _tensors(state)
-    directory = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(prefix=".consolidate-", suffix=".pt", dir=directory)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        # Read back as every user will: a file that weights_only cannot read is not written.
-        try:
-            back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as err:
-            what = refused_global(err) or str(err).splitlines()[0]
-            raise CheckpointError(
-                os.fspath(dcp_dir),
-                f"items torch.load(weights_only=True) refuses ({what})",
-                "tensors and plain containers only",
-                "Nothing was written. The checkpoint holds pickled Python objects besides the "
-                "model (e.g. a custom optimizer state); save those separately.",
-            ) from err
-        if len(_tensors(back)) != len(tensors):
-            raise CheckpointError(
-                out,
-                f"{len(_tensors(back))} tensors read back",
-                f"{len(tensors)} tensors",
-                "The disk may be full or failing; check it and run consolidate again.",
-            )
-        del back
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    _write(state, out, len(tensors), os.fspath(dcp_dir), overwrite)
     return ConsolidateResult(
         path=out,
         num_tensors=len(tensors),

@@ -1,9 +1,9 @@
 """Read a ``torch.distributed.checkpoint`` (DCP) folder in one process, without a model.
 
 For tools (``fp8state inspect``, ``fp8state consolidate``) and for users who want a DCP
-checkpoint as a plain state dict. DCP flattens nested dicts on save (``blocks.0._extra_state``
-becomes ``blocks.0._extra_state.fwd.scale``, ...); what is read here is nested again, so an
-fp8state extra state comes back as the flat ``dict[str, Tensor]`` its module wrote.
+checkpoint as a plain state dict. DCP flattens nested dicts on save (a schema-1 extra state,
+``blocks.0._extra_state``, became ``blocks.0._extra_state.fwd.scale``, ...); what is read here
+is nested again, so every extra state comes back as its module wrote it (schema 2: one tensor).
 """
 
 from __future__ import annotations
@@ -97,10 +97,11 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
         >>> from fp8state.checkpoint import dcp_save, read_dcp_metadata
         >>> folder = tempfile.mkdtemp()
         >>> _ = dcp_save(torch.nn.Sequential(fp8state.Linear(16, 16)), folder)
-        >>> for entry in read_dcp_metadata(folder)[:2]:
+        >>> for entry in read_dcp_metadata(folder):
         ...     print(entry.key, entry.path, entry.shape)
-        0._extra_state.bwd.amax_history ('0._extra_state', 'bwd.amax_history') (1024, 2)
-        0._extra_state.bwd.scale ('0._extra_state', 'bwd.scale') (2,)
+        0._extra_state ('0._extra_state',) (5137,)
+        0.bias ('0.bias',) (16,)
+        0.weight ('0.weight',) (16, 16)
     """
     md = read_metadata(path)
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}

@@ -176,11 +176,15 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
         elif is_fp8_payload(value):
             # Shaped like the checkpoint's payload, not the fresh model's: a history saved
             # with other row counts (or an older schema) loads, and the module adapts it.
-            plan.extra[name] = {
-                str(sub[0]): torch.empty(item.size, dtype=item.properties.dtype)
-                for sub, item in items.items()
-                if len(sub) == 1 and isinstance(item, TensorStorageMetadata)
-            }
+            whole = items.get(())
+            if isinstance(whole, TensorStorageMetadata):  # schema 2: one tensor
+                plan.extra[name] = torch.empty(whole.size, dtype=whole.properties.dtype)
+            else:  # schema 1: a dict of tensors, which DCP stored key by key
+                plan.extra[name] = {
+                    str(sub[0]): torch.empty(item.size, dtype=item.properties.dtype)
+                    for sub, item in items.items()
+                    if len(sub) == 1 and isinstance(item, TensorStorageMetadata)
+                }
         elif isinstance(value, torch.Tensor):
             item = items.get(())
             if not isinstance(item, TensorStorageMetadata):

@@ -29,7 +29,7 @@ from fp8state.checkpoint._ties import tied_fills
 from fp8state.checkpoint.validate import validate_state_dict
 from fp8state.errors import CheckpointError, ConfigError, FP8StateError, StateDictError
 from fp8state.mixin import FP8StateMixin
-from fp8state.schema import EXTRA_STATE_KEY, default_payload
+from fp8state.schema import EXTRA_STATE_KEY, as_mapping, default_payload
 
 __all__ = ["load_plain_state_dict", "to_plain_state_dict"]
 
@@ -162,7 +162,7 @@ def to_plain_state_dict(
         if key not in fp8_keys:
             weights[plain] = export(plain, value)
         elif fp8_metadata == "separate":
-            for field, tensor in value.items():
+            for field, tensor in as_mapping(value).items():
                 flat = f"{plain}.{field}"
                 metadata[flat] = export(flat, tensor)
     return (weights, metadata) if fp8_metadata == "separate" else weights
@@ -243,7 +243,7 @@ def _with_metadata(
     """Add every FP8 module's payload: the given one, else a fresh module's."""
     payloads = {} if fp8_metadata is None else _split_metadata(fp8_metadata, problems)
     for entry in extras:
-        payload = payloads.pop(entry.key, None) or payloads.pop(entry.canonical, None)
+        payload: Any = payloads.pop(entry.key, None) or payloads.pop(entry.canonical, None)
         if payload is None:
             if fp8_metadata is not None and strict:
                 problems.append(

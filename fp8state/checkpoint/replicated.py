@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fp8state._layout import from_packed
 from fp8state.checkpoint._entries import fp8_modules, is_fp8_payload, iter_extra_states
 from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.errors import DistributedStateError, FP8StateError
@@ -44,10 +45,14 @@ def _local_digests(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[s
         }
     else:
         payloads = {k: v for k, v in iter_extra_states(model_or_state_dict) if is_fp8_payload(v)}
-    return {
-        key: {name: _digest(t) for name, t in payload.items() if isinstance(t, torch.Tensor)}
-        for key, payload in payloads.items()
-    }
+    return {key: _field_digests(payload) for key, payload in payloads.items()}
+
+
+def _field_digests(payload: Any) -> dict[str, str]:
+    """A digest per payload field, so a difference is named by its field (``fwd.scale``)."""
+    if isinstance(payload, torch.Tensor):
+        payload = from_packed(payload.detach().to("cpu"))  # structure only: no value checks
+    return {name: _digest(t) for name, t in payload.items() if isinstance(t, torch.Tensor)}
 
 
 def _compare(gathered: list[dict[str, dict]], ranks: list[int]) -> list[FP8StateError]:

@@ -35,6 +35,19 @@ def _is_dtensor(value: object) -> bool:
 
 
 def _unexpected(key: str) -> CheckpointError:
+    if is_extra_state_key(key):
+        # Typically an fp8state checkpoint loaded into the plain nn.Linear model. strict=False
+        # would load it, and would also hide every genuinely missing or misspelled weight
+        # (docs/faq.md), so the fix is the interop guide's export, not strict=False.
+        return CheckpointError(
+            key,
+            "an _extra_state that no module of the model takes (FP8 metadata, from an fp8state "
+            "or TransformerEngine checkpoint)",
+            "only the model's keys (strict=True)",
+            "To load an FP8 checkpoint into a plain PyTorch model, load it into the FP8 model "
+            "(fp8state.convert_model of this one) and export that with "
+            "fp8state.checkpoint.to_plain_state_dict or save_safetensors: see docs/interop.md.",
+        )
     return CheckpointError(
         key,
         "a key the model does not have",
@@ -244,7 +257,7 @@ def load_state_dict(
         ...         self.init_fp8_meta(num_gemms=1, history_rows=4)
         >>> model = torch.nn.Sequential(One(), One())
         >>> sd = model.state_dict()
-        >>> sd["0._extra_state"]["fwd.scale"][0] = -1.0
+        >>> fp8state.schema.as_mapping(sd["0._extra_state"])["fwd.scale"][0] = -1.0  # in place
         >>> del sd["1.weight"]
         >>> try:
         ...     load_state_dict(model, sd)

@@ -1,8 +1,9 @@
 """The ``fp8state`` console script: one sub-command per module of this package.
 
 Each sub-command module exposes ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``. Errors fp8state raises on purpose become a one-line message on stderr and a
-non-zero exit code, never a traceback.
+``run(args) -> int``. Errors fp8state raises on purpose, and ``OSError``s, become a one-line
+message on stderr and exit code 1, never a traceback; bad usage exits 2, as argparse does.
+``fp8state --version`` prints ``fp8state <version>``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from fp8state._version import __version__
 from fp8state.errors import FP8StateError
 
 __all__ = ["main"]
@@ -36,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fp8state", description="FP8 training with boringly correct checkpoints."
     )
+    parser.add_argument("--version", action="version", version=f"fp8state {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = {}
     for name, module_name in _COMMANDS.items():
@@ -53,6 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
-    except OSError as err:  # missing file, permissions, full disk: one line, no traceback
-        print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
+    except OSError as err:  # permissions, full disk ...: one line, no traceback
+        print(f"fp8state {args.command}: error: {_os_error_line(err)}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
+
+
+def _os_error_line(err: OSError) -> str:
+    """``PATH: reason``, as the checks of each sub-command word it, not ``[Errno 13] ...``."""
+    if err.strerror and isinstance(err.filename, (str, bytes)):
+        return f"{os.fsdecode(err.filename)}: {err.strerror}"
+    return str(err)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from fp8state.checkpoint.consolidation import consolidate
-from fp8state.errors import CheckpointError
+from fp8state.cli._paths import existing_dcp_folder, new_file
 
 NAME = "consolidate"
 HELP = (
@@ -25,14 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Consolidate, print one line about the file written, return 0."""
-    if os.path.exists(args.out) and not args.overwrite:  # the library's message names overwrite=
-        raise CheckpointError(
-            args.out,
-            "an existing file",
-            "a path that does not exist yet",
-            "Choose another OUT, or add --overwrite to replace it.",
-        )
+    """Check the paths, consolidate, print one line about the file written, return 0."""
+    existing_dcp_folder(args.dir)
+    new_file(args.out, overwrite=args.overwrite)  # the library's own message names overwrite=
     result = consolidate(args.dir, args.out, overwrite=args.overwrite)
     print(
         f"wrote {result.path}: {result.num_tensors} tensors, "

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot",
         metavar="PATH",
         default=None,
-        help="also write a PNG of both loss curves and the scales of a few FP8 slots per step "
-        "(needs matplotlib: pip install 'fp8state[plot]')",
+        help="also write a PNG of both loss curves and the scales of a few FP8 slots per step, "
+        "replacing PATH if it exists (needs matplotlib: pip install 'fp8state[plot]')",
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from fp8state.checkpoint.plain_safetensors import read_fp8_metadata_file
 from fp8state.checkpoint.safetensors_files import holds_fp8_metadata, read_header
+from fp8state.cli._paths import existing_path
 from fp8state.errors import CheckpointError
 from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
 
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table (or JSON); errors propagate to the CLI's one-line handler."""
+    existing_path(args.path, "a torch.save file, a DCP folder or an FP8 metadata .safetensors file")
     summary = _summarize(args.path)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))

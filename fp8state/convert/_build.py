@@ -16,11 +16,13 @@ from typing import cast
 import torch
 from torch import nn
 
+from fp8state.convert._rules import is_hf_conv1d
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from fp8state.modules.conv1d import Conv1D
 from fp8state.schema import default_payload
 
-__all__ = ["FusedFrom", "FUSED_FROM_ATTR", "build_swap", "build_fused"]
+__all__ = ["FusedFrom", "FUSED_FROM_ATTR", "build_swap", "build_fused", "is_fused_pair"]
 
 #: Attribute of a ``LayerNormLinear`` made by convert_model that records the original names.
 FUSED_FROM_ATTR = "fp8_fused_from"
@@ -49,7 +51,7 @@ def _materialize_fp8_metadata(module: FP8StateMixin, device: torch.device) -> No
         return
     rows = module.fp8_meta("fwd").amax_history.shape[0]
     payload = default_payload(module.fp8_num_gemms, rows=rows, recipe=module.fp8_recipe)
-    module.set_extra_state({key: value.to(device) for key, value in payload.items()})
+    module.set_extra_state(payload.to(device))
 
 
 def _take_linear_params(new: Linear | LayerNormLinear, linear: nn.Linear) -> None:
@@ -68,6 +70,24 @@ def _linear(linear: nn.Linear) -> Linear:
     )
     _take_linear_params(new, linear)
     _materialize_fp8_metadata(new, linear.weight.device)
+    return new
+
+
+def _conv1d(conv: nn.Module) -> Conv1D:
+    """Hugging Face's ``Conv1D`` (layout checked by the rules) as an ``fp8state.Conv1D``."""
+    weight, bias = conv._parameters["weight"], conv._parameters.get("bias")
+    assert weight is not None  # checked by _rules
+    new = Conv1D(
+        weight.shape[1],
+        weight.shape[0],
+        bias=bias is not None,
+        params_dtype=weight.dtype,
+        device="meta",
+    )
+    new.weight = cast(nn.Parameter, weight)
+    if bias is not None:
+        new.bias = cast(nn.Parameter, bias)
+    _materialize_fp8_metadata(new, weight.device)
     return new
 
 
@@ -91,6 +111,8 @@ def build_swap(module: nn.Module) -> nn.Module:
     new: nn.Module
     if type(module) is nn.Linear:
         new = _linear(module)
+    elif is_hf_conv1d(module):
+        new = _conv1d(module)
     elif type(module) in (nn.LayerNorm, nn.RMSNorm):
         assert isinstance(module, nn.LayerNorm | nn.RMSNorm)
         new = _norm(module)
@@ -123,3 +145,16 @@ def build_fused(
     setattr(new, FUSED_FROM_ATTR, names)
     new.train(linear.training)
     return new
+
+
+def is_fused_pair(norm: nn.Module, linear: nn.Module, names: FusedFrom) -> bool:
+    """True when ``build_fused`` made this pair already (a second conversion).
+
+    The norm's place then holds an ``nn.Identity`` and the linear's a ``LayerNormLinear``
+    fused from exactly these names.
+    """
+    return (
+        type(norm) is nn.Identity
+        and type(linear) is LayerNormLinear
+        and getattr(linear, FUSED_FROM_ATTR, None) == names
+    )

@@ -6,14 +6,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "ModuleDecision", "PairDecision", "ConversionReport"]
+__all__ = ["Action", "PROBLEM_ACTIONS", "ModuleDecision", "PairDecision", "ConversionReport"]
 
 #: ``"convert"``: swapped for its fp8state counterpart. ``"fuse"``: part of a norm + linear
 #: pair that became one ``LayerNormLinear``. ``"unsupported"``: a type convert_model swaps, but
 #: this instance cannot be (warned about, or an error with ``on_unsupported="raise"``).
 #: ``"filtered"``: ``module_filter_fn`` returned False. ``"subclass"``: a subclass of a
-#: swappable type, never swapped (see :mod:`fp8state.convert._rules`).
-Action = Literal["convert", "fuse", "unsupported", "filtered", "subclass"]
+#: swappable type, never swapped (see :mod:`fp8state.convert._rules`). ``"unrecognized"``: of
+#: no type convert_model knows, but it looks like a linear layer (a 2-D weight and
+#: ``in_features``/``out_features``, or a class name saying so); warned about like
+#: ``"unsupported"``.
+Action = Literal["convert", "fuse", "unsupported", "filtered", "subclass", "unrecognized"]
+
+#: The actions that are problems: in :meth:`ConversionReport.problems`, the warning, and the
+#: error of ``on_unsupported="raise"``.
+PROBLEM_ACTIONS: tuple[Action, ...] = ("unsupported", "unrecognized")
 
 
 @dataclass(frozen=True)
@@ -23,7 +30,7 @@ class ModuleDecision:
     Attributes:
         name: The module's name, as ``model.named_modules()`` spells it (its first name when
             the module is reachable under several).
-        module_type: Its type (``"torch.nn.Linear"``).
+        module_type: Its type (``"torch.nn.Linear"``, ``"transformers.pytorch_utils.Conv1D"``).
         action: See :data:`Action`.
         target: What replaces it (``"fp8state.Linear"``, ``"torch.nn.Identity"``), or ``""``
             when it stays.
@@ -65,9 +72,10 @@ class PairDecision:
 class ConversionReport:
     """Every decision of one conversion: one per candidate module, one per pair asked for.
 
-    Candidates are the model's ``nn.Linear``, ``nn.LayerNorm`` and ``nn.RMSNorm`` modules and
-    their subclasses; other modules are not listed. ``report["blocks.0.fc"]`` is the decision
-    for one module, ``str(report)`` a table.
+    Candidates are the model's ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm`` and Hugging
+    Face ``Conv1D`` modules and their subclasses, and the modules that look like linear layers
+    without being one of those (``"unrecognized"``); other modules are not listed.
+    ``report["blocks.0.fc"]`` is the decision for one module, ``str(report)`` a table.
     """
 
     modules: tuple[ModuleDecision, ...]
@@ -94,7 +102,7 @@ class ConversionReport:
         lines = [
             f"{d.name} ({d.module_type}): {d.reason}"
             for d in self.modules
-            if d.action == "unsupported"
+            if d.action in PROBLEM_ACTIONS
         ]
         lines += [
             f"pair ({p.norm}, {p.linear}) not fused: {p.reason}"

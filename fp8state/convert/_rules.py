@@ -12,6 +12,11 @@ An instance of an exact type is still left alone, with a reason, when the swap c
 it does: hooks or an instance-level ``forward`` (accelerate's dispatch hooks) would be dropped,
 sharded (DTensor) weights would lose their sharding, and shapes ``torch._scaled_mm`` cannot
 take would make every FP8 GEMM fall back to the slow emulation.
+
+Hugging Face's ``Conv1D`` (``transformers.pytorch_utils.Conv1D``, GPT-2's matmuls: a linear
+layer with its weight stored ``(in, out)``) is swapped the same way, for
+``fp8state.Conv1D``. It is recognized by its class's name and module and by its ``nf`` and
+``weight`` attributes, without importing ``transformers``, which stays optional.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from fp8state.backends import _SCALED_MM_ALIGN
 
 __all__ = [
     "SWAPPABLE",
+    "HF_CONV1D",
     "FP8_GEMM_DTYPES",
     "is_candidate",
+    "is_hf_conv1d",
+    "target_name",
     "is_swappable_type",
     "type_name",
     "subclass_reason",
@@ -39,6 +47,10 @@ SWAPPABLE: dict[type[nn.Module], str] = {
     nn.LayerNorm: "fp8state.LayerNorm",
     nn.RMSNorm: "fp8state.RMSNorm",
 }
+
+#: Hugging Face's ``Conv1D``, as (module, class name), and what it becomes.
+HF_CONV1D = ("transformers.pytorch_utils", "Conv1D")
+HF_CONV1D_TARGET = "fp8state.Conv1D"
 
 #: Parameter dtypes whose GEMM outputs ``torch._scaled_mm`` produces.
 FP8_GEMM_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
@@ -56,14 +68,32 @@ _HOOK_TABLES = (
 )
 
 
+def _is_hf_conv1d_class(cls: type) -> bool:
+    return (cls.__module__, cls.__name__) == HF_CONV1D
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True when ``module`` is exactly Hugging Face's ``Conv1D`` (not a subclass)."""
+    return _is_hf_conv1d_class(type(module))
+
+
+def _derives_from_hf_conv1d(module: nn.Module) -> bool:
+    return any(_is_hf_conv1d_class(cls) for cls in type(module).__mro__)
+
+
 def is_candidate(module: nn.Module) -> bool:
-    """True for ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm`` and their subclasses."""
-    return isinstance(module, tuple(SWAPPABLE))
+    """True for the swappable types (Hugging Face's ``Conv1D`` included) and subclasses."""
+    return isinstance(module, tuple(SWAPPABLE)) or _derives_from_hf_conv1d(module)
 
 
 def is_swappable_type(module: nn.Module) -> bool:
     """True when ``module``'s type is exactly one convert_model swaps."""
-    return type(module) in SWAPPABLE
+    return type(module) in SWAPPABLE or is_hf_conv1d(module)
+
+
+def target_name(module: nn.Module) -> str:
+    """What a module of a swappable type becomes (``"fp8state.Linear"``)."""
+    return HF_CONV1D_TARGET if is_hf_conv1d(module) else SWAPPABLE[type(module)]
 
 
 def type_name(module: nn.Module) -> str:
@@ -76,9 +106,10 @@ def type_name(module: nn.Module) -> str:
 
 def subclass_reason(module: nn.Module) -> str:
     """Why a subclass of a swappable type stays as it is."""
-    base = next(b for b in SWAPPABLE if isinstance(module, b))
+    bases = [f"torch.nn.{b.__name__}" for b in SWAPPABLE if isinstance(module, b)]
+    base = bases[0] if bases else ".".join(HF_CONV1D)
     return (
-        f"a subclass of torch.nn.{base.__name__}, never swapped: it may compute differently "
+        f"a subclass of {base}, never swapped: it may compute differently "
         f"(its own forward), or its owner may use its weight without calling it "
         f"(nn.MultiheadAttention's out_proj)"
     )
@@ -112,13 +143,12 @@ def _instance_problems(module: nn.Module) -> list[str]:
     return problems
 
 
-def _gemm_shape_problems(in_features: int, out_features: int) -> list[str]:
-    """One reason for all the GEMM dimensions ``torch._scaled_mm`` cannot take (or none)."""
-    odd = [
-        f"{name}={size}"
-        for name, size in (("in_features", in_features), ("out_features", out_features))
-        if size == 0 or size % _SCALED_MM_ALIGN
-    ]
+def _gemm_shape_problems(sizes: tuple[tuple[str, int], ...]) -> list[str]:
+    """One reason for all the GEMM dimensions ``torch._scaled_mm`` cannot take (or none).
+
+    ``sizes`` are ``(attribute, size)`` pairs, named as the module names them.
+    """
+    odd = [f"{name}={size}" for name, size in sizes if size == 0 or size % _SCALED_MM_ALIGN]
     if not odd:
         return []
     what = (
@@ -132,12 +162,32 @@ def _gemm_shape_problems(in_features: int, out_features: int) -> list[str]:
     ]
 
 
-def _linear_problems(linear: nn.Linear) -> list[str]:
-    problems = _gemm_shape_problems(linear.in_features, linear.out_features)
-    dtype = str(linear.weight.dtype)
+def _dtype_problems(weight: object) -> list[str]:
+    dtype = str(getattr(weight, "dtype", None))
     if dtype not in FP8_GEMM_DTYPES:
-        problems.append(f"dtype {dtype}: FP8 GEMMs produce {', '.join(FP8_GEMM_DTYPES)} outputs")
-    return problems
+        return [f"dtype {dtype}: FP8 GEMMs produce {', '.join(FP8_GEMM_DTYPES)} outputs"]
+    return []
+
+
+def _linear_problems(linear: nn.Linear) -> list[str]:
+    sizes = (("in_features", linear.in_features), ("out_features", linear.out_features))
+    return _gemm_shape_problems(sizes) + _dtype_problems(linear.weight)
+
+
+def _conv1d_problems(conv: nn.Module) -> list[str]:
+    """Hugging Face's ``Conv1D``: ``nf`` outputs, a ``(nx, nf)`` weight, a ``(nf,)`` bias."""
+    nf = getattr(conv, "nf", None)
+    weight, bias = conv._parameters.get("weight"), conv._parameters.get("bias")
+    if not isinstance(nf, int) or weight is None or weight.dim() != 2 or weight.shape[1] != nf:
+        shape = None if weight is None else tuple(weight.shape)
+        return [
+            f"nf={nf!r} and a weight of shape {shape}: not the layout of transformers' Conv1D "
+            f"(an int nf and a 2-D weight (nx, nf)), so what it computes is unknown"
+        ]
+    if bias is not None and tuple(bias.shape) != (nf,):
+        return [f"a bias of shape {tuple(bias.shape)}: transformers' Conv1D adds one of ({nf},)"]
+    sizes = (("nx", int(weight.shape[0])), ("nf", nf))
+    return _gemm_shape_problems(sizes) + _dtype_problems(weight)
 
 
 def _norm_problems(norm: nn.LayerNorm | nn.RMSNorm) -> list[str]:
@@ -163,7 +213,9 @@ def _norm_problems(norm: nn.LayerNorm | nn.RMSNorm) -> list[str]:
 def module_problems(module: nn.Module) -> list[str]:
     """Every reason ``module`` (of a swappable type) cannot be swapped; empty when it can."""
     problems = _instance_problems(module)
-    if isinstance(module, nn.Linear):
+    if is_hf_conv1d(module):
+        problems += _conv1d_problems(module)
+    elif isinstance(module, nn.Linear):
         problems += _linear_problems(module)
     elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
         problems += _norm_problems(module)

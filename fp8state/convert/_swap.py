@@ -2,10 +2,12 @@
 
 :func:`convert_model` replaces each ``nn.Linear`` by an :class:`fp8state.Linear`, each
 ``nn.LayerNorm`` / ``nn.RMSNorm`` by :class:`fp8state.LayerNorm` / :class:`fp8state.RMSNorm`,
-and, where asked, a norm feeding one linear layer by a :class:`fp8state.LayerNormLinear` (the
-norm's slot becomes ``nn.Identity``). :func:`plan_conversion` says what it would do, module by
-module, without changing anything. The rules (exact types only, and why) are in
-:mod:`fp8state.convert._rules`; ``docs/interop.md`` is the user's guide.
+each Hugging Face ``Conv1D`` by an ``fp8state.Conv1D``, and, where asked, a norm feeding one
+linear layer by a :class:`fp8state.LayerNormLinear` (the norm's slot becomes ``nn.Identity``).
+:func:`plan_conversion` says what it would do, module by module, without changing anything;
+modules that look like linear layers without being of a type it knows are reported too
+(``_lookalike``). The rules (exact types only, and why) are in :mod:`fp8state.convert._rules`;
+``docs/interop.md`` is the user's guide.
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ from typing import Literal
 from torch import nn
 
 from fp8state.convert import _rules as rules
-from fp8state.convert._build import FusedFrom, build_fused, build_swap
+from fp8state.convert._build import FusedFrom, build_fused, build_swap, is_fused_pair
 from fp8state.convert._checks import ON_UNSUPPORTED, check_arguments
-from fp8state.convert._report import ConversionReport, ModuleDecision, PairDecision
+from fp8state.convert._lookalike import lookalike_reason
+from fp8state.convert._report import (
+    PROBLEM_ACTIONS,
+    ConversionReport,
+    ModuleDecision,
+    PairDecision,
+)
 from fp8state.errors import ConfigError, ConversionError
 
 __all__ = ["convert_model", "plan_conversion"]
@@ -58,6 +66,8 @@ def _named_pairs(lookup: dict[str, nn.Module], names: list[tuple[str, str]]) -> 
                     f"({norm_name!r}, {linear_name!r}) against print(model).",
                 )
         norm, linear = lookup[norm_name], lookup[linear_name]
+        if is_fused_pair(norm, linear, FusedFrom(norm=norm_name, linear=linear_name)):
+            continue  # fused by an earlier conversion: converting again changes nothing
         problem = rules.pair_problem(norm, linear, norm_name, linear_name)
         if problem is not None:
             swapped = rules.pair_problem(linear, norm) is None
@@ -162,10 +172,18 @@ def _plan(
 
     decisions = []
     for name, module in model.named_modules():  # each module once, under its first name
-        if not rules.is_candidate(module):
-            continue
         kind = rules.type_name(module)
-        if id(module) in fused_role:
+        if not rules.is_candidate(module):
+            lookalike = lookalike_reason(module, kind)
+            if lookalike is None:
+                continue
+            if wanted(module):
+                decisions.append(ModuleDecision(name, kind, "unrecognized", "", lookalike))
+            else:
+                decisions.append(
+                    ModuleDecision(name, kind, "filtered", "", "module_filter_fn returned False")
+                )
+        elif id(module) in fused_role:
             target, reason = fused_role[id(module)]
             decisions.append(ModuleDecision(name, kind, "fuse", target, reason))
         elif not rules.is_swappable_type(module):
@@ -179,7 +197,7 @@ def _plan(
         elif problems := rules.module_problems(module):
             decisions.append(ModuleDecision(name, kind, "unsupported", "", "; ".join(problems)))
         else:
-            target = rules.SWAPPABLE[type(module)]
+            target = rules.target_name(module)
             decisions.append(
                 ModuleDecision(
                     name, kind, "convert", target, f"becomes {target} with the same Parameters"
@@ -195,7 +213,7 @@ def _unsupported_error(report: ConversionReport) -> ConversionError:
     failed = [
         (d.name, f"a {d.module_type} that cannot be converted: {d.reason}")
         for d in report
-        if d.action == "unsupported"
+        if d.action in PROBLEM_ACTIONS
     ]
     failed += [
         (f"({p.norm}, {p.linear})", f"a pair that cannot be fused: {p.reason}")
@@ -231,8 +249,10 @@ def plan_conversion(
     """What :func:`convert_model` would do with these arguments; the model is not changed.
 
     Returns:
-        One :class:`ModuleDecision` per ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.RMSNorm``
-        (subclasses included) and one :class:`PairDecision` per norm + linear pair asked for.
+        One :class:`ModuleDecision` per ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.RMSNorm`` /
+        Hugging Face ``Conv1D`` (subclasses included), one per module that looks like a linear
+        layer of a type convert_model does not know (``"unrecognized"``), and one
+        :class:`PairDecision` per norm + linear pair asked for.
 
     Raises:
         ConfigError: an argument of the wrong kind.
@@ -261,13 +281,15 @@ def convert_model(
 ) -> nn.Module:
     """Swap ``nn.Linear`` / ``nn.LayerNorm`` / ``nn.RMSNorm`` for fp8state modules, in place.
 
-    1. Every module of exactly one of those types (subclasses are never swapped: they may
-       compute differently) for which ``module_filter_fn(module, name)`` is True is replaced
-       by its fp8state counterpart holding the very same ``nn.Parameter`` objects: optimizers,
-       tied weights, ``requires_grad``, devices and dtypes stay valid. The training mode is
-       kept; FP8 metadata starts as a fresh module's, on the weight's device (``meta`` for a
-       model on ``meta``). A module reachable under several names is replaced everywhere by
-       one new module.
+    1. Every module of exactly one of those types, or exactly Hugging Face's ``Conv1D``
+       (``transformers.pytorch_utils.Conv1D``, GPT-2's layers: it becomes an
+       ``fp8state.Conv1D``, keeping the ``(in, out)`` weight layout and names), for which
+       ``module_filter_fn(module, name)`` is True is replaced by its fp8state counterpart
+       holding the very same ``nn.Parameter`` objects: optimizers, tied weights,
+       ``requires_grad``, devices and dtypes stay valid. Subclasses are never swapped: they
+       may compute differently. The training mode is kept; FP8 metadata starts as a fresh
+       module's, on the weight's device (``meta`` for a model on ``meta``). A module
+       reachable under several names is replaced everywhere by one new module.
     2. Each pair in ``layernorm_linear`` (and, with ``layernorm_linear_sequential``, each norm
        directly followed by an ``nn.Linear`` in an ``nn.Sequential``) becomes one
        ``fp8state.LayerNormLinear`` in the linear layer's place, and the norm's place becomes
@@ -279,7 +301,9 @@ def convert_model(
     3. A module of a swappable type that cannot be swapped (see :func:`plan_conversion`: a
        GEMM size ``torch._scaled_mm`` cannot take, hooks the swap would drop, a norm
        fp8state's cannot express...) stays as it is, with one warning listing each one and
-       why; with ``on_unsupported="raise"`` it is an error instead and nothing changes.
+       why; so does a module of no type convert_model knows that looks like a linear layer
+       (a 2-D weight with ``in_features``/``out_features``, or a class name saying so). With
+       ``on_unsupported="raise"`` either is an error instead and nothing changes.
 
     Outside ``fp8_autocast`` the converted model computes exactly what the original did, bit
     for bit. Converting twice changes nothing the second time.
@@ -287,7 +311,8 @@ def convert_model(
     Args:
         model: The model, unwrapped (convert before DDP, FSDP2 or ``torch.compile``).
         module_filter_fn: ``fn(module, fqn) -> bool``: False leaves that module as it is
-            (torchao's convention). Asked once per candidate module, with its first name.
+            (torchao's convention). Asked once per candidate module (and per module that
+            looks like a linear layer), with its first name.
             A callable that cannot take those two arguments is a ``ConfigError``.
         layernorm_linear: ``(norm name, linear name)`` pairs to fuse.
         layernorm_linear_sequential: Also fuse adjacent norm -> linear children of

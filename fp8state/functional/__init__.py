@@ -1,4 +1,7 @@
-"""Functional building blocks for writing your own FP8 modules on :class:`FP8StateMixin`."""
+"""Functional building blocks for writing your own FP8 modules on :class:`FP8StateMixin`.
+
+Also ``activation_checkpoint``: activation checkpointing that replays FP8 exactly.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,10 @@ import torch
 
 from fp8state.errors import ConfigError
 from fp8state.functional import linear as _fp8_linear
+from fp8state.functional.checkpointing import activation_checkpoint
 from fp8state.mixin import FP8StateMixin
 
-__all__ = ["fp8_linear"]
+__all__ = ["fp8_linear", "activation_checkpoint"]
 
 
 def fp8_linear(

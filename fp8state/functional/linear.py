@@ -10,19 +10,24 @@ backward.
 Weights can be cast once per optimizer step and reused across micro-batches
 (``is_first_microbatch``, as in TE), and GEMMs too small for FP8 to pay run in high precision
 (``FP8StateMixin.fp8_min_gemm_macs``).
+
+A call recomputed by activation checkpointing replays its forward: the same decision, backend,
+scales and cached weight, without recording anything (:mod:`fp8state._runtime.recompute`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
+from fp8state._runtime import recompute
+from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
-from fp8state._runtime.slot_cast import cast_slot
+from fp8state._runtime.slot_cast import cast_slot, transpose_fp8
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
@@ -51,21 +56,63 @@ def linear(
             amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
             optimizer step, where the weight has not changed).
     """
+    if recompute.replaying():
+        return _replay(module, inp, weight, bias, gemm)
     ctx = autocast.active_context()
     if ctx is None:
-        return F.linear(inp, weight, bias)
+        return _high_precision(module, gemm, None, inp, weight, bias)
     if not ctx.enabled:  # calibrating: record, compute in high precision
         autocast.register_forward(module, ctx)
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
-        return F.linear(inp, weight, bias)
+        return _high_precision(module, gemm, ctx, inp, weight, bias)
     backend = fp8_backend(module, ctx, inp, inp.numel() * weight.shape[0])  # tokens*in*out
     if backend is None:
         set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
-        return F.linear(inp, weight, bias)
+        return _high_precision(module, gemm, ctx, inp, weight, bias)
     autocast.register_forward(module, ctx)
+    record = recompute.start(module, gemm, ctx, backend)
     out = _FP8Linear.apply(
-        as_2d(inp), weight, bias, module, gemm, ctx, backend, is_first_microbatch
+        as_2d(inp), weight, bias, module, gemm, ctx, backend, is_first_microbatch, record, None
+    )
+    if record is not None:
+        recompute.finish(module, gemm, record, out)
+    return like_input(out, inp)
+
+
+def _high_precision(
+    module: FP8StateMixin,
+    gemm: int,
+    ctx: autocast.FP8Context | None,
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``F.linear``, noting the decision where a recomputation may have to replay it."""
+    record = recompute.start(module, gemm, ctx, None)
+    out = F.linear(inp, weight, bias)
+    if record is not None:
+        recompute.finish(module, gemm, record, out)
+    return out
+
+
+def _replay(
+    module: FP8StateMixin,
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemm: int,
+) -> torch.Tensor:
+    """A recomputation of this call: what its forward computed, recording nothing."""
+    record = recompute.take(module, gemm)
+    autocast.hold_backward_update()
+    ctx = record.ctx
+    if record.backend is None:
+        if ctx is not None and cast(autocast.FP8Context, ctx).enabled:
+            set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
+        return F.linear(inp, weight, bias)
+    out = _FP8Linear.apply(
+        as_2d(inp), weight, bias, module, gemm, ctx, record.backend, None, None, record
     )
     return like_input(out, inp)
 
@@ -101,14 +148,22 @@ def _cast_slot(
     column_sums: bool = False,
     op: str = "identity",
     aux: torch.Tensor | None = None,
+    replay: ForwardRecord | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale.
 
     ``column_sums`` also returns the column sums from the same pass (a bias gradient);
     ``op``/``aux`` cast a function of ``x`` instead (:func:`fp8state._runtime.slot_cast.cast_slot`).
+    ``replay``: a recomputation casts with its forward's scales and records into a scratch
+    history, leaving the module's metadata alone.
     """
-    hist, scale, scale_inv = module.fp8_meta(direction)
-    new_step = module.fp8_open_record(direction)
+    if replay is None:
+        hist, scale, scale_inv = module.fp8_meta(direction)
+        new_step = module.fp8_open_record(direction)
+    else:
+        scales = replay.scales
+        assert scales is not None  # records of FP8 calls carry their scales
+        hist, scale, scale_inv, new_step = scales.scratch(), scales.scale, scales.scale_inv, False
     # The inverse scale comes back as a copy: the live one changes when the step ends,
     # before backward runs.
     return cast_slot(
@@ -133,17 +188,39 @@ def _cast_weight(
     fp8_dtype: torch.dtype,
     transpose: bool,
     is_first_microbatch: bool | None,
+    record: ForwardRecord | None = None,
+    replay: ForwardRecord | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """FP8 weight, its transpose (if asked) and inverse scale, from the cache when allowed."""
+    """FP8 weight, its transpose (if asked) and inverse scale, from the cache when allowed.
+
+    ``record`` notes a cached weight the call reuses; ``replay`` reuses the one its forward
+    did, or casts as the forward did, with the forward's scale and without the cache.
+    """
+    slot = fwd_slot(gemm, FwdSlot.WEIGHT)
+    if replay is not None:
+        used = replay.cached_weight(module, gemm)
+        if used is None:
+            weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
+                module, "fwd", slot, weight.detach(), fp8_dtype, transpose, replay=replay
+            )
+            return weight_fp8, weight_fp8_t, scale_inv
+        weight_fp8, weight_fp8_t, scale_inv = used
+        if transpose and weight_fp8_t is None:  # a reentrant forward ran without gradients
+            weight_fp8_t = transpose_fp8(weight_fp8)
+        return weight_fp8, weight_fp8_t, scale_inv
     cached = module.fp8_weight_cache.get(gemm)
     if is_first_microbatch is False and cached is not None:
         if not transpose or cached[1] is not None:
+            if record is not None:
+                record.reuse_weight(gemm, cached, transpose)
             return cached[0], cached[1], cached[2]
     weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
-        module, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT), weight.detach(), fp8_dtype, transpose
+        module, "fwd", slot, weight.detach(), fp8_dtype, transpose
     )
     if is_first_microbatch is not None:
         module.fp8_weight_cache[gemm] = (weight_fp8, weight_fp8_t, scale_inv)
+        if record is not None:
+            record.cache_weight(gemm, weight_fp8)
     return weight_fp8, weight_fp8_t, scale_inv
 
 
@@ -159,14 +236,22 @@ class _FP8Linear(torch.autograd.Function):
         fp8_ctx: autocast.FP8Context,
         backend: str,
         is_first_microbatch: bool | None,
+        record: ForwardRecord | None,
+        replay: ForwardRecord | None,
     ) -> torch.Tensor:
         fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         inp_fp8, inp_fp8_t, inp_scale_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(gemm, FwdSlot.INPUT), inp_2d, fp8_dtype, need_wgrad
+            module,
+            "fwd",
+            fwd_slot(gemm, FwdSlot.INPUT),
+            inp_2d,
+            fp8_dtype,
+            need_wgrad,
+            replay=replay,
         )
         weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
-            module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch
+            module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch, record, replay
         )
         out, used = fp8_gemm(
             inp_fp8,
@@ -227,4 +312,4 @@ class _FP8Linear(torch.autograd.Function):
         if need_bias:
             assert grad_sums is not None  # cast with column_sums=need_bias
             grad_bias = grad_sums.to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None, None, None, None, None
+        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -17,7 +17,8 @@ the input's dtype (identical for float32 inputs on the emulated path,
 tests/modules/test_fused_mlp.py; the CUDA kernel's GELU is within about 1e-6 relative of
 torch's, tests/gpu/test_cast_slot.py).
 Intermediates are released as backward uses them, so one backward runs per forward (a second
-one through the same graph is a clear error), as in TE.
+one through the same graph is a clear error), as in TE. A recomputation (activation
+checkpointing) replays its forward's decision and scales, as the per-GEMM path does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
+from fp8state._runtime import recompute
+from fp8state._runtime.forward_record import MLP_SITE, ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
 from fp8state.backends import fp8_gemm
@@ -60,28 +63,37 @@ def gelu_mlp(
     while calibrating, and where either GEMM is below the module's FP8 threshold
     (``fp8_min_gemm_macs``), so that fallback stays per GEMM and inspectable.
     """
+    weights = (fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    if recompute.replaying():  # a recomputation: the forward's decision and scales
+        replay = recompute.take(module, MLP_SITE)
+        autocast.hold_backward_update()
+        if replay.backend is None:
+            return None
+        out = _FP8GeluMLP.apply(
+            as_2d(inp), *weights, module, replay.ctx, replay.backend, None, None, replay
+        )
+        return like_input(out, inp)
     ctx = autocast.active_context()
-    if ctx is None or not ctx.enabled:
-        return None
-    tokens = inp.numel() // inp.shape[-1]
-    smallest = tokens * min(
-        fc1_weight.shape[0] * fc1_weight.shape[1], fc2_weight.shape[0] * fc2_weight.shape[1]
-    )
-    backend = fp8_backend(module, ctx, inp, smallest)
+    backend = None
+    if ctx is not None and ctx.enabled:
+        tokens = inp.numel() // inp.shape[-1]
+        smallest = tokens * min(
+            fc1_weight.shape[0] * fc1_weight.shape[1], fc2_weight.shape[0] * fc2_weight.shape[1]
+        )
+        backend = fp8_backend(module, ctx, inp, smallest)
+    # Kept even where the per-GEMM path runs instead: a recomputation must take it too.
+    record = recompute.start(module, MLP_SITE, ctx, backend)
     if backend is None:
+        if record is not None:
+            recompute.finish(module, MLP_SITE, record, inp)
         return None
+    assert ctx is not None
     autocast.register_forward(module, ctx)
     out = _FP8GeluMLP.apply(
-        as_2d(inp),
-        fc1_weight,
-        fc1_bias,
-        fc2_weight,
-        fc2_bias,
-        module,
-        ctx,
-        backend,
-        is_first_microbatch,
+        as_2d(inp), *weights, module, ctx, backend, is_first_microbatch, record, None
     )
+    if record is not None:
+        recompute.finish(module, MLP_SITE, record, out)
     return like_input(out, inp)
 
 
@@ -98,6 +110,8 @@ class _FP8GeluMLP(torch.autograd.Function):
         fp8_ctx: autocast.FP8Context,
         backend: str,
         is_first_microbatch: bool | None,
+        record: ForwardRecord | None,
+        replay: ForwardRecord | None,
     ) -> torch.Tensor:
         dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
         needs = ctx.needs_input_grad
@@ -105,10 +119,10 @@ class _FP8GeluMLP(torch.autograd.Function):
         # GELU's input gradient is needed for everything upstream of fc2's output.
         need_chain = needs[0] or needs[1] or needs[2]
         x_fp8, x_fp8_t, x_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1
+            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1, replay=replay
         )
         w1_fp8, w1_fp8_t, w1_inv = _cast_weight(
-            module, fc1_weight, 0, dtype, needs[0], is_first_microbatch
+            module, fc1_weight, 0, dtype, needs[0], is_first_microbatch, record, replay
         )
         h, _ = fp8_gemm(
             x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias, fast_accum=True
@@ -118,11 +132,11 @@ class _FP8GeluMLP(torch.autograd.Function):
         # transposed stores slow it down more than a one-byte transpose afterwards costs
         # (docs/benchmarks.md).
         a_fp8, _, a_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu"
+            module, "fwd", fwd_slot(1, FwdSlot.INPUT), h, dtype, False, op="gelu", replay=replay
         )
         a_fp8_t = transpose_fp8(a_fp8) if need_w2 else None
         w2_fp8, w2_fp8_t, w2_inv = _cast_weight(
-            module, fc2_weight, 1, dtype, need_chain, is_first_microbatch
+            module, fc2_weight, 1, dtype, need_chain, is_first_microbatch, record, replay
         )
         out, used = fp8_gemm(
             a_fp8, a_inv, w2_fp8.t(), w2_inv, inp.dtype, backend, bias=fc2_bias, fast_accum=True
@@ -139,7 +153,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             a_inv,
             w2_inv,
         ]
-        ctx.from_hooks = _saved_tensors_hooks_active()
+        ctx.from_hooks = recompute.hooks_active()
         if ctx.from_hooks:
             # Offloading or recomputation hooks (save_on_cpu, checkpointing) must see them.
             ctx.save_for_backward(*tensors)
@@ -190,7 +204,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             needs[3],
             column_sums=need_b2,
         )
-        grads: list[torch.Tensor | None] = [None] * 9
+        grads: list[torch.Tensor | None] = [None] * 11
         if needs[3]:  # fc2 weight: (hidden, M) @ (M, ffn)
             assert g_fp8_t is not None  # cast with transpose=needs[3]
             grads[3], _ = fp8_gemm(g_fp8_t, g_inv, a_fp8_t.t(), a_inv, w2_dtype, backend)
@@ -228,18 +242,3 @@ class _FP8GeluMLP(torch.autograd.Function):
             assert dh_sums is not None  # cast with column_sums=need_b1
             grads[2] = dh_sums.to(b1_dtype)
         return tuple(grads)
-
-
-def _saved_tensors_hooks_active() -> bool:
-    """Whether a ``torch.autograd.graph.saved_tensors_hooks`` context is active.
-
-    Asked through a private torch function; where it is missing, assume hooks are active
-    (save_for_backward is always correct, just holds memory longer).
-    """
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return True
-    try:
-        return top(False) is not None
-    except TypeError:  # an older signature without the tracing flag
-        return top() is not None

@@ -4,7 +4,7 @@ Nothing here imports TransformerEngine or runs pickled code: pickled data goes t
 allow-list unpickler (:mod:`fp8state._te.unpickler`). ``docs/migration.md`` describes the
 formats, the conversion rules and the safety model.
 
-* :func:`decode_te_extra_state`: one ``_extra_state`` value -> a schema-1 payload or None.
+* :func:`decode_te_extra_state`: one ``_extra_state`` value -> a schema payload or None.
 * :func:`load_te_checkpoint`: a whole TE checkpoint file, converted (``migrate_te_checkpoint``
   also returns the report; ``convert_te_state_dict`` converts a state dict already in memory).
 """

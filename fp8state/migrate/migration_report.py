@@ -21,11 +21,11 @@ __all__ = [
     "recipe_dict",
 ]
 
-#: TE FP8 state converted to schema 1.
+#: TE FP8 state converted to the schema.
 CONVERTED = "converted"
 #: Already an fp8state payload; validated and kept as it is.
 KEPT = "kept"
-#: No FP8 state in the file; a fresh schema-1 state was written (GEMM count known).
+#: No FP8 state in the file; a fresh schema state was written (GEMM count known).
 DEFAULTED = "default"
 #: No FP8 state and no GEMM count (norms, attention with FP8 off): the key was removed.
 DROPPED = "dropped"
@@ -79,7 +79,7 @@ class EntryReport:
     error: str | None = None
     locations: tuple[str, ...] = ()
     te_slots: tuple[int, int] | None = None
-    payload: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    payload: torch.Tensor | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (no tensors)."""

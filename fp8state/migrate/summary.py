@@ -1,22 +1,43 @@
-"""What ``fp8state inspect`` shows: one row per FP8 module of any checkpoint (ours or TE's)."""
+"""What ``fp8state inspect`` shows: one row per FP8 module of any checkpoint (ours or TE's).
+
+The era column's codes come with a legend, the TE releases of each era, read from the era table
+(:data:`fp8state._te.eras.ERAS`).
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
 
+from fp8state._te.eras import ERAS
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
 from fp8state.migrate import migration_report as rpt
 from fp8state.migrate.reader import ReadCheckpoint, read_checkpoint
 from fp8state.migrate.te_checkpoint import convert_read_checkpoint
+from fp8state.schema import as_mapping
 
-__all__ = ["ModuleRow", "CheckpointSummary", "summarize_checkpoint"]
+__all__ = ["ModuleRow", "CheckpointSummary", "summarize_checkpoint", "era_legend"]
 
 #: Where fp8state puts every tensor it reads from a checkpoint (then onto the module's device).
 LOADS_ONTO = "cpu"
+
+
+def era_legend(eras: Iterable[str]) -> dict[str, str]:
+    """Each TE era code among ``eras`` with the TE releases that wrote it, in era order.
+
+    Other labels (``"fp8state schema v1"``, the era groups of values without FP8 state such as
+    ``"E09/E10"``) say what they are and have no entry.
+
+    Example:
+        >>> era_legend(["E08-E10", "fp8state schema v1", "E01", "E08-E10"])
+        {'E01': 'TE v0.1-v0.2', 'E08-E10': 'TE v2.0-v2.20'}
+    """
+    seen = set(eras)
+    return {code: f"TE {era.te_tags}" for code, era in ERAS.items() if code in seen}
 
 
 def _range(t: torch.Tensor) -> tuple[float, float] | None:
@@ -114,11 +135,17 @@ class CheckpointSummary:
     without_state: list[rpt.EntryReport] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document ``fp8state inspect --json`` prints."""
+        """The JSON document ``fp8state inspect --json`` prints.
+
+        ``"eras"`` is the legend (:func:`era_legend`) of every TE era code in it, of the
+        modules and of the entries without FP8 state.
+        """
+        eras = [row.era for row in self.rows] + [e.era for e in self.without_state]
         return {
             "source": self.source,
             "state_dicts": self.state_dicts,
             "loads_onto": LOADS_ONTO,
+            "eras": era_legend(eras),
             "modules": [row.to_dict() for row in self.rows],
             "without_fp8_state": [
                 {
@@ -133,13 +160,14 @@ class CheckpointSummary:
         }
 
     def format_table(self) -> str:
-        """A fixed-width table, then one line about entries without FP8 state."""
+        """A fixed-width table, the legend of its eras, then a line about entries without state."""
         table = [_HEADER] + [row.cells() for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(_HEADER))]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
             for line in table
         ]
+        lines += [f"era {code}: {te}" for code, te in era_legend(r.era for r in self.rows).items()]
         lines.append(
             f"{len(self.rows)} FP8 module(s) in {self.source}; fp8state reads every "
             f"tensor onto {LOADS_ONTO}, then onto the loading module's device."
@@ -151,8 +179,8 @@ class CheckpointSummary:
 
 
 def _row(entry: rpt.EntryReport) -> ModuleRow:
-    payload = entry.payload
-    assert payload is not None and entry.recipe is not None
+    assert entry.payload is not None and entry.recipe is not None
+    payload = as_mapping(entry.payload)
     scales = torch.cat([payload["fwd.scale"], payload["bwd.scale"]])
     amaxes = torch.cat(
         [payload["fwd.amax_history"].reshape(-1), payload["bwd.amax_history"].reshape(-1)]

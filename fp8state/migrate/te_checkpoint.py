@@ -1,11 +1,11 @@
-"""Whole-checkpoint conversion: every ``_extra_state`` of a TE checkpoint becomes schema 1.
+"""Whole-checkpoint conversion: every ``_extra_state`` of a TE checkpoint becomes a payload.
 
 The checkpoint is read with the allow-list unpickler onto the CPU; its structure is returned as
 it was read (a state dict, or a dict holding one under ``"model"``, ``"state_dict"`` or
 ``"module"`` beside optimizer state and the rest). In each state dict:
 
-* an ``_extra_state`` holding FP8 state becomes a schema-1 payload (attention's too);
-* one without FP8 state becomes a fresh schema-1 payload where the module's GEMM count is known
+* an ``_extra_state`` holding FP8 state becomes a schema payload (attention's too);
+* one without FP8 state becomes a fresh schema payload where the module's GEMM count is known
   from its parameters (Linear / LayerNormLinear 1, LayerNormMLP 2, GroupedLinear G), so
   ``load_state_dict(strict=True)`` works, and is removed elsewhere (norms, attention);
 * every other entry is left alone: tensors stay bit-identical.
@@ -26,7 +26,15 @@ from fp8state._te.extra_state import decode_te_value
 from fp8state.errors import FP8StateError, LegacyFormatError
 from fp8state.migrate import migration_report as rpt
 from fp8state.migrate.reader import ReadCheckpoint, read_checkpoint
-from fp8state.schema import EXTRA_STATE_KEY, default_payload, is_extra_state_key, unpack
+from fp8state.schema import (
+    EXTRA_STATE_KEY,
+    SCHEMA_VERSION,
+    default_payload,
+    is_extra_state_key,
+    is_payload,
+    pack,
+    unpack,
+)
 
 __all__ = [
     "load_te_checkpoint",
@@ -114,25 +122,29 @@ def _locations(members: Mapping[str, Any], location_of: LocationOf | None) -> se
 
 def _convert_entry(
     value: object, members: Mapping[str, Any], label: str, location_of: LocationOf | None
-) -> tuple[Mapping[str, Any] | None, rpt.EntryReport]:
+) -> tuple[torch.Tensor | None, rpt.EntryReport]:
     """Convert one ``_extra_state`` value; ``members`` are its module's state-dict entries."""
     gemms = infer_num_gemms(members)
     saved = _locations(members, location_of)
-    if isinstance(value, Mapping) and "schema_version" in value:
+    if is_payload(value):
         state = unpack(value, num_gemms=gemms)
+        # Kept: the same metadata, written in the current schema (a schema-1 dict becomes the
+        # tensor every state-dict tool takes).
+        tensor_form = isinstance(value, torch.Tensor)
+        packed = value if isinstance(value, torch.Tensor) else pack(state)
         entry = rpt.EntryReport(
             label,
             rpt.KEPT,
-            "fp8state schema v1",
-            "dict",
+            f"fp8state schema v{SCHEMA_VERSION if tensor_form else 1}",
+            "tensor" if tensor_form else "dict (written as a schema-2 tensor)",
             state.num_gemms,
             state.rows,
             state.recipe,
             "checkpoint",
             locations=tuple(sorted(saved)),
-            payload=dict(value),
+            payload=packed,
         )
-        return value, entry
+        return packed, entry
     decoded = decode_te_value(value, num_gemms=gemms)
     saved |= decoded.locations
     entry = rpt.EntryReport(
@@ -157,7 +169,7 @@ def _convert_entry(
         return None, entry
     entry.action, entry.num_gemms = rpt.DEFAULTED, gemms
     entry.payload = default_payload(gemms)
-    entry.rows = int(entry.payload["fwd.amax_history"].shape[0])
+    entry.rows = unpack(entry.payload).rows
     return entry.payload, entry
 
 
@@ -366,7 +378,7 @@ def load_te_checkpoint(
 
     Returns:
         What the file holds (a state dict, or a dict holding one under ``"model"``,
-        ``"state_dict"`` or ``"module"``) with every ``_extra_state`` converted to schema 1 (or
+        ``"state_dict"`` or ``"module"``) with every ``_extra_state`` converted to the schema (or
         removed where it holds no FP8 state and the module has no GEMMs).
 
     Raises:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fp8state.errors import FP8StateError, SchemaError, SchemaVersionError
-from fp8state.schema import default_payload
+from fp8state.schema import as_mapping, default_payload, pack, unpack
 
 KEYS_V1 = frozenset(
     {
@@ -31,6 +31,24 @@ KEYS_V1 = frozenset(
 
 #: Takes a valid payload (a fresh dict the mutation may edit), returns the corrupted input.
 Mutation = Callable[[dict[str, Any]], Any]
+
+
+def fields_of(payload: Any) -> dict[str, Any]:
+    """A fresh, editable mapping form of a valid payload (schema 2's tensor or a dict)."""
+    if isinstance(payload, torch.Tensor):
+        return {k: v.clone() for k, v in as_mapping(payload).items()}
+    return dict(payload)
+
+
+def _packed(edit: Callable[[torch.Tensor], None]) -> Mutation:
+    """The payload as schema 2's tensor, then ``edit`` applied to it (its header, its length)."""
+
+    def mutate(p: dict[str, Any]) -> torch.Tensor:
+        t = pack(unpack(p))
+        edit(t)
+        return t
+
+    return mutate
 
 
 def _set(key: Any, value: Any) -> Mutation:
@@ -76,7 +94,7 @@ def _n(p: dict[str, Any], d: str) -> int:
 
 
 def _other_gemms(p: dict[str, Any]) -> dict[str, Any]:
-    other = default_payload(num_gemms=_n(p, "fwd") // 3 + 1, rows=_rows(p))
+    other = fields_of(default_payload(num_gemms=_n(p, "fwd") // 3 + 1, rows=_rows(p)))
     return {**p, **{k: v for k, v in other.items() if k.startswith(("fwd.", "bwd."))}}
 
 
@@ -303,9 +321,22 @@ CORRUPTIONS: list[tuple[str, Mutation, type[FP8StateError], str]] = [
     ),
     # versions
     ("version-0", _set("schema_version", lambda p: T(0)), SchemaVersionError, "schema_version"),
-    ("version-2", _set("schema_version", lambda p: T(2)), SchemaVersionError, "schema_version"),
+    ("version-3", _set("schema_version", lambda p: T(3)), SchemaVersionError, "schema_version"),
     ("version-99", _set("schema_version", lambda p: T(99)), SchemaVersionError, "schema_version"),
     ("version-neg", _set("schema_version", lambda p: T(-7)), SchemaVersionError, "schema_version"),
+    # schema 2's tensor form: its header and its length
+    ("packed-version-3", _packed(lambda t: t.__setitem__(0, 3.0)), SchemaVersionError, "schema"),
+    ("packed-version-1", _packed(lambda t: t.__setitem__(0, 1.0)), SchemaError, "schema"),
+    ("packed-version-half", _packed(lambda t: t.__setitem__(0, 2.5)), SchemaError, "schema"),
+    ("packed-gemms-0", _packed(lambda t: t.__setitem__(1, 0.0)), SchemaError, "num_gemms"),
+    ("packed-rows-more", _packed(lambda t: t.__setitem__(2, t[2] + 1)), SchemaError, "num_gemms"),
+    ("packed-margin-nan", _packed(lambda t: t.__setitem__(4, NAN)), SchemaError, "recipe.margin"),
+    ("packed-format-9", _packed(lambda t: t.__setitem__(3, 9.0)), SchemaError, "fp8_format"),
+    ("packed-scale-neg", _packed(lambda t: t.__setitem__(-1, -1.0)), SchemaError, "bwd.scale_inv"),
+    ("packed-truncated", lambda p: pack(unpack(p))[:-1].clone(), SchemaError, "num_gemms"),
+    ("packed-header-only", lambda p: pack(unpack(p))[:5].clone(), SchemaError, "schema_version"),
+    ("packed-f64", lambda p: pack(unpack(p)).double(), SchemaError, ""),
+    ("packed-2d", lambda p: pack(unpack(p))[None], SchemaError, ""),
 ]
 
 

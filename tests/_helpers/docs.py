@@ -16,6 +16,9 @@ DOCS_WITH_CODE = [
     "docs/concepts.md",
     "docs/checkpoints.md",
     "docs/faq.md",
+    "docs/activation_checkpointing.md",
+    "docs/lightning.md",
+    "docs/huggingface.md",
 ]
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

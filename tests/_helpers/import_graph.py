@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "scaling",
             "quantize",
             "_payload_checks",
+            "_layout",
             "schema",
             "backends",
         ),

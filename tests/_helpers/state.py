@@ -106,7 +106,7 @@ def assert_state_equal(module_a: nn.Module, module_b: nn.Module) -> None:
                 equal_nan=False,
                 msg=lambda m, w=where, k=buf: f"{w}.{k}: {m}",
             )
-        ea, eb = a.get_extra_state(), b.get_extra_state()
+        ea, eb = fields(a.get_extra_state()), fields(b.get_extra_state())
         assert ea.keys() == eb.keys(), (where, sorted(ea), sorted(eb))
         for key in ea:
             assert ea[key].dtype == eb[key].dtype, (where, key)
@@ -116,9 +116,14 @@ def assert_state_equal(module_a: nn.Module, module_b: nn.Module) -> None:
 def fp8_payloads(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """``get_extra_state()`` of every mixin module of ``model``, by name, cloned."""
     return {
-        name: {k: v.clone() for k, v in m.get_extra_state().items()}
+        name: {k: v.clone() for k, v in fields(m.get_extra_state()).items()}
         for name, m in mixin_modules(model).items()
     }
+
+
+def fields(payload: Any) -> dict[str, torch.Tensor]:
+    """A payload's fields by key (``fp8state.schema.as_mapping``; validates it)."""
+    return fp8state.schema.as_mapping(payload)
 
 
 def live_payload(module: fp8state.FP8StateMixin, rows: int) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _helpers.state import assert_same
+from _helpers.state import assert_same, fields
 from dist_workers import models
 
 import fp8state.checkpoint as ckpt
@@ -85,8 +85,8 @@ def test_keys_missing_from_the_checkpoint_fail_before_reading(saved: tuple) -> N
 
 def test_invalid_metadata_in_the_checkpoint_leaves_the_model_unchanged(tmp_path: Path) -> None:
     state = models.trained(seed=7, salt=7).state_dict()
-    state["inp._extra_state"]["fwd.scale"][0] = -1.0
-    state["out._extra_state"]["schema_version"] = torch.tensor(2)
+    fields(state["inp._extra_state"])["fwd.scale"][0] = -1.0  # in place
+    state["out._extra_state"][0] = 3.0  # the packed header's version: from the future
     dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
     model = models.trained()
     before = models.full_state(model)
@@ -170,7 +170,7 @@ def test_consolidate_refuses_to_overwrite(saved: tuple, tmp_path: Path) -> None:
 
 def test_consolidate_validates_before_writing(tmp_path: Path) -> None:
     state = models.trained().state_dict()
-    state["mlp._extra_state"]["bwd.amax_history"][0, 0] = float("inf")
+    fields(state["mlp._extra_state"])["bwd.amax_history"][0, 0] = float("inf")  # in place
     dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
     with pytest.raises(StateDictError) as info:
         ckpt.consolidate(tmp_path / "dcp", tmp_path / "out.pt")
@@ -212,9 +212,9 @@ def test_cli_consolidate(saved: tuple, tmp_path: Path, capsys: pytest.CaptureFix
 def test_read_metadata_lists_items_without_reading_data(saved: tuple) -> None:
     folder, source = saved
     entries = {e.key: e for e in ckpt.read_dcp_metadata(folder)}
-    scale = entries["mlp._extra_state.fwd.scale"]
-    assert scale.path == ("mlp._extra_state", "fwd.scale")
-    assert scale.shape == (6,) and scale.dtype == torch.float32
+    payload = entries["mlp._extra_state"]
+    assert payload.path == ("mlp._extra_state",)
+    assert payload.shape == source.mlp.get_extra_state().shape and payload.dtype == torch.float32
     assert entries["inp.weight"].shape == tuple(source.inp.weight.shape)
     assert ckpt.is_dcp_checkpoint(folder) and not ckpt.is_dcp_checkpoint(folder / ".metadata")
 

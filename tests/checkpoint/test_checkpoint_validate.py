@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers.state import assert_same, assert_unchanged, snapshot
+from _helpers.state import assert_same, assert_unchanged, fields, snapshot
 from dist_workers import models
 
 import fp8state.checkpoint as ckpt
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is dep
 
 def _broken_state() -> dict[str, Any]:
     state = copy.deepcopy(models.trained(seed=2, salt=2).state_dict())
-    state["inp._extra_state"]["fwd.scale"][1] = float("nan")  # invalid value
+    fields(state["inp._extra_state"])["fwd.scale"][1] = float("nan")  # invalid value, in place
     state["mlp._extra_state"] = default_payload(num_gemms=1, rows=16)  # a 1-GEMM payload
-    state["out._extra_state"]["schema_version"] = torch.tensor(99)  # from the future
+    state["out._extra_state"][0] = 99.0  # from the future: the packed header's version
     state["out.weight"] = torch.zeros(3, 3)  # wrong shape
     del state["norm.weight"]  # missing
     state["head.weight"] = torch.zeros(1)  # unexpected
@@ -173,7 +173,7 @@ def test_extra_state_on_another_device_lands_on_the_modules_device() -> None:
     # "meta" stands in for a foreign device here: the payload is refused, never copied to it.
     model = models.trained()
     state = model.state_dict()
-    state["inp._extra_state"] = {k: v.to("meta") for k, v in state["inp._extra_state"].items()}
+    state["inp._extra_state"] = state["inp._extra_state"].to("meta")
     with pytest.raises(StateDictError, match="meta"):
         ckpt.load_state_dict(model, state)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from te_gen.adversarial import Call
 import fp8state
 from fp8state.checkpoint import dcp_save
 from fp8state.cli import EXIT_BROKEN_PIPE, main
+from fp8state.migrate import summary
 
 LEGACY = FIXTURES / "te_legacy"
 REAL = FIXTURES / "te_real_2.20"
@@ -68,8 +70,8 @@ def test_fp8state_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     doc = json.loads(out)
     assert code == 0 and doc["state_dicts"] == ["model"]
     assert [(m["module"], m["era"], m["slots"]["fwd"]) for m in doc["modules"]] == [
-        ("0", "fp8state schema v1", 3),
-        ("1", "fp8state schema v1", 6),
+        ("0", "fp8state schema v2", 3),
+        ("1", "fp8state schema v2", 6),
     ]
     assert doc["modules"][0]["saved_locations"] == ["cpu"]
 
@@ -109,7 +111,7 @@ def test_generated_nested_checkpoint(capsys: pytest.CaptureFixture[str], tmp_pat
     [
         ("adv_a_pickle_exec_os_system.pt", "posix.system"),
         ("adv_b_truncated.pt", "damaged zip archive"),
-        ("does_not_exist.pt", "No such file"),
+        ("does_not_exist.pt", "found no such file or folder"),
     ],
 )
 def test_bad_input_one_line_error(
@@ -220,3 +222,60 @@ def test_console_entry_point_reads_a_dcp_folder_quietly(tmp_path: Path) -> None:
     run = run_console("inspect", str(tmp_path))
     assert run.returncode == 0 and run.stderr == ""  # not even DCP's single-process warning
     assert "2 FP8 module(s)" in run.stdout
+
+
+# ------------------------------------------------- the era legend: the TE releases of each era
+
+
+def test_table_ends_with_the_legend_of_its_eras(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "inspect", str(LEGACY / "te_E01_v0.2_list.pt"))
+    lines = out.splitlines()
+    assert code == 0 and lines[7] == "era E01: TE v0.1-v0.2"  # after the 6 rows, before the count
+    assert lines[8].startswith("6 FP8 module(s) in ")
+    assert [line for line in lines if line.startswith("era ")] == ["era E01: TE v0.1-v0.2"]
+
+
+def test_json_legend_for_a_real_te_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "inspect", str(REAL / "te2.20_lnmlp_gelu_default.pt"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["eras"] == {"E08-E10": "TE v2.0-v2.20"}
+    assert {m["era"] for m in doc["modules"]} == {"E08-E10"}
+
+
+@pytest.mark.parametrize(
+    ("name", "legend"),
+    [
+        ("te_E02_v0.4_dict_recompute.pt", {"E02": "TE v0.3-v0.4"}),
+        ("te_E03_v0.5_dict.pt", {"E03": "TE v0.5"}),
+        ("te_E05_v0.11_pickle_u8_scaleinv.pt", {"E05": "TE v0.8-v0.11"}),
+        ("te_E06_v1.5_bytesio.pt", {"E06": "TE v0.12-v1.5"}),
+        ("te_E07_v1.13_bytesio.pt", {"E07": "TE v1.6-v1.13"}),
+        ("te_E09_v2.10_cpu_pickle.pt", {"E08-E10": "TE v2.0-v2.20"}),
+    ],
+)
+def test_every_era_in_the_table_is_in_the_legend(
+    name: str, legend: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, _ = run_cli(capsys, "inspect", str(LEGACY / name), "--json")
+    doc = json.loads(out)
+    assert doc["eras"] == legend and {m["era"] for m in doc["modules"]} == set(legend)
+    _, table, _ = run_cli(capsys, "inspect", str(LEGACY / name))
+    assert [line for line in table.splitlines() if line.startswith("era ")] == [
+        f"era {code}: {te}" for code, te in legend.items()
+    ]
+
+
+def test_no_legend_for_fp8state_checkpoints(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch.save(fp8state.Linear(8, 8).state_dict(), tmp_path / "ours.pt")
+    _, out, _ = run_cli(capsys, "inspect", str(tmp_path / "ours.pt"), "--json")
+    assert json.loads(out)["eras"] == {}  # "fp8state schema v2" says what it is
+    _, table, _ = run_cli(capsys, "inspect", str(tmp_path / "ours.pt"))
+    assert not [line for line in table.splitlines() if line.startswith("era ")]
+
+
+def test_the_legend_example_in_its_docstring_holds() -> None:
+    (test,) = doctest.DocTestFinder().find(summary.era_legend, globs=vars(summary))
+    result = doctest.DocTestRunner().run(test)
+    assert result.attempted == 1 and result.failed == 0

@@ -1,4 +1,7 @@
-"""``fp8state migrate SRC DST [--dry-run] [--lenient]``: atomic, weights-only readable output."""
+"""``fp8state migrate SRC DST [--dry-run] [--lenient]``: atomic, weights-only readable output.
+
+An existing DST, and writes that fail half-way, are in ``test_cli_files``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 from _helpers.cli import Terminal, run_cli, run_console
 from _helpers.paths import FIXTURES
+from _helpers.state import fields
 from te_gen import Module, build, save
 
 from fp8state.cli import migrate_cmd
@@ -55,7 +59,7 @@ def test_unsafe_input_fails_without_output(
 ) -> None:
     dst = tmp_path / "out.pt"
     dst.write_bytes(b"previous content")
-    code, out, err = run_cli(capsys, "migrate", str(ADV_A), str(dst))
+    code, out, err = run_cli(capsys, "migrate", str(ADV_A), str(dst), "--overwrite")
     assert code == 1 and "wrote" not in out
     assert err.count("\n") == 1 and "input_proj._extra_state" in err and "posix.system" in err
     assert dst.read_bytes() == b"previous content" and list(tmp_path.iterdir()) == [dst]
@@ -67,7 +71,7 @@ def test_lenient_drops_and_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 0 and "failed    input_proj._extra_state" in out and "1 failed" in out
     written = torch.load(dst, weights_only=True)
     assert "input_proj._extra_state" not in written and "input_proj.weight" in written
-    assert written["blocks.0.mlp._extra_state"]["fwd.scale"].shape == (6,)
+    assert fields(written["blocks.0.mlp._extra_state"])["fwd.scale"].shape == (6,)
 
 
 def test_failure_while_writing_leaves_no_partial_file(

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 import pytest
 import torch
 from _helpers.corruptions import CORRUPTIONS, KEYS_V1, Mutation, copy_payload
-from _helpers.paths import DOCS
+from _helpers.paths import DOCS, FIXTURES
 from _helpers.state import assert_same
 
+import fp8state
 from fp8state import schema
 from fp8state.errors import FP8StateError, SchemaError, SchemaVersionError
 from fp8state.formats import Format
@@ -39,6 +40,19 @@ def golden_payload() -> dict[str, torch.Tensor]:
         "recipe.amax_history_len": torch.tensor(2, dtype=I64),
         "recipe.amax_compute_algo": torch.tensor(1, dtype=I64),
     }
+
+
+def golden_v2() -> torch.Tensor:
+    """golden_payload's fields as schema 2 writes them, written out by hand: the header
+    [version, GEMMs, rows, format, margin, window, algo], then the six tensors flattened."""
+    return torch.tensor(
+        [2, 1, 2, 0, 1, 2, 1]
+        + [1.0, 2.0, 0.0, 4.0, 0.5, 0.0]
+        + [224.0, 112.0, 1.0, 1 / 224, 1 / 112, 1.0]
+        + [8.0, 0.0, 0.0, 0.0]
+        + [28.0, 1.0, 1 / 28, 1.0],
+        dtype=F32,
+    )
 
 
 def golden_state() -> FP8State:
@@ -71,12 +85,44 @@ def assert_state_equal(a: FP8State, b: FP8State) -> None:
 
 
 def test_golden_payload_keys_are_the_spec() -> None:
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2
     assert set(golden_payload()) == KEYS_V1
+    assert set(schema.as_mapping(golden_v2())) == KEYS_V1
 
 
 def test_pack_writes_the_golden_payload() -> None:
-    assert_same(pack(golden_state()), golden_payload())
+    assert_same(pack(golden_state()), golden_v2())
+
+
+def test_unpack_reads_both_golden_versions_alike() -> None:
+    v1, v2 = unpack(golden_payload()), unpack(golden_v2())
+    assert_state_equal(v1, golden_state())
+    assert_state_equal(v2, golden_state())
+    # The mapping form of either is the version-2 mapping (the upgrader only bumps the version).
+    assert int(schema.as_mapping(golden_payload())["schema_version"]) == 2
+
+
+def test_golden_files_of_both_versions_load() -> None:
+    """Files written once by fp8state (tests/fixtures/schema/README.md): every release must
+    read them as the in-code goldens, and write version 2 as the file holds it."""
+    folder = FIXTURES / "schema"
+    v1 = torch.load(folder / "linear_v1.pt", weights_only=True)
+    v2 = torch.load(folder / "linear_v2.pt", weights_only=True)
+    assert isinstance(v1["_extra_state"], dict) and isinstance(v2["_extra_state"], torch.Tensor)
+    assert_same(v1["_extra_state"], golden_payload())
+    assert_same(v2["_extra_state"], golden_v2())
+
+    class OneGemm(fp8state.FP8StateMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2, 3))
+            self.init_fp8_meta(num_gemms=1, history_rows=2)
+
+    for sd in (v1, v2):
+        layer = OneGemm()
+        layer.load_state_dict(sd)
+        assert_same(layer.get_extra_state(), golden_v2())
+        assert torch.equal(layer.weight, v1["weight"])
 
 
 def test_unpack_reads_the_golden_payload() -> None:
@@ -86,7 +132,7 @@ def test_unpack_reads_the_golden_payload() -> None:
 
 
 def test_default_payload() -> None:
-    p = schema.default_payload(num_gemms=2, rows=8)
+    p = schema.as_mapping(schema.default_payload(num_gemms=2, rows=8))
     assert set(p) == KEYS_V1
     torch.testing.assert_close(p["fwd.amax_history"], torch.zeros(8, 6), atol=0, rtol=0)
     torch.testing.assert_close(p["bwd.amax_history"], torch.zeros(8, 4), atol=0, rtol=0)
@@ -128,13 +174,13 @@ def test_pack_returns_cpu_copies(device: torch.device) -> None:
         state.recipe,
     )
     payload = pack(on_dev)
-    assert all(t.device.type == "cpu" for t in payload.values())
+    assert payload.device.type == "cpu"
     ptrs = {
         t.untyped_storage().data_ptr()
         for d in (on_dev.fwd, on_dev.bwd)
         for t in (d.amax_history, d.scale, d.scale_inv)
     }
-    assert not ptrs & {t.untyped_storage().data_ptr() for t in payload.values()}
+    assert payload.untyped_storage().data_ptr() not in ptrs
     assert_state_equal(unpack(payload), state)
 
 
@@ -155,7 +201,7 @@ def test_unpack_accepts_views_and_grad_tensors() -> None:
 # ---------------------------------------------------------------- versions and upgraders
 
 
-@pytest.mark.parametrize("version", [2, 99, 2**40], ids=["v2", "v99", "v2pow40"])
+@pytest.mark.parametrize("version", [3, 99, 2**40], ids=["v3", "v99", "v2pow40"])
 def test_newer_version_names_both_versions(version: int) -> None:
     p = {**golden_payload(), "schema_version": torch.tensor(version)}
     with pytest.raises(SchemaVersionError) as info:
@@ -206,7 +252,7 @@ def test_registered_upgrader_loads_old_version(monkeypatch: pytest.MonkeyPatch) 
     state = unpack(old, num_gemms=1)
     assert_state_equal(state, golden_state())
     assert_same(old, before)  # the payload is not modified
-    assert_same(pack(state), golden_payload())
+    assert_same(pack(state), golden_v2())
 
 
 def test_unregistered_old_version_raises() -> None:
@@ -286,6 +332,7 @@ def test_spec_documents_every_key_and_code() -> None:
     for key in sorted(KEYS_V1):
         assert f"`{key}`" in spec, key
     assert re.search(r"version 1\b", spec), "changelog entry for version 1"
+    assert re.search(r"version 2\b", spec), "changelog entry for version 2"
     for fmt in Format:
         assert re.search(rf"`{fmt.code}`[^\n]*{fmt.name}", spec), fmt
     for code, algo in enumerate(("max", "most_recent")):
@@ -294,5 +341,6 @@ def test_spec_documents_every_key_and_code() -> None:
 
 def test_payload_keys_are_packs_keys_in_its_order() -> None:
     """Staging builds payloads in this order without calling pack: the two must agree."""
-    assert tuple(pack(unpack(golden_payload(), num_gemms=None))) == schema.PAYLOAD_KEYS
-    assert tuple(schema.default_payload(num_gemms=2)) == schema.PAYLOAD_KEYS
+    assert tuple(schema.as_mapping(golden_payload())) == schema.PAYLOAD_KEYS
+    assert tuple(schema.as_mapping(schema.default_payload(num_gemms=2))) == schema.PAYLOAD_KEYS
+    assert tuple(schema.unpack(golden_v2()).as_mapping()) == schema.PAYLOAD_KEYS

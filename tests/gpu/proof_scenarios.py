@@ -81,9 +81,9 @@ def _same(model: nn.Module, expected_file: Path) -> dict[str, Any]:
 def _devices(state: dict[str, Any]) -> dict[str, Any]:
     """Devices of a loaded state dict: user weights vs fp8state metadata."""
     weights, meta = set(), set()
-    for value in state.values():
-        if isinstance(value, dict):
-            meta |= {str(t.device) for t in value.values()}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            meta.add(str(value.device))
         else:
             weights.add(str(value.device))
     return {"weights": sorted(weights), "fp8_metadata": sorted(meta)}

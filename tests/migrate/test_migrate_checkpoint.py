@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers.state import fields
 from te_gen import Module, Spec, build, extra_state, save
 
 import fp8state
@@ -59,7 +60,7 @@ def test_structure_is_kept(wrap: str | None, tmp_path: Any) -> None:
     assert report.state_dicts == [wrap or ""]
     sd = out[wrap] if wrap else out
     assert isinstance(sd, OrderedDict) and sd._metadata == gen.state_dict._metadata
-    assert sd["net.1._extra_state"]["fwd.scale"].shape == (6,)
+    assert fields(sd["net.1._extra_state"])["fwd.scale"].shape == (6,)
 
 
 def test_every_known_state_dict_key_is_converted() -> None:
@@ -70,7 +71,7 @@ def test_every_known_state_dict_key_is_converted() -> None:
     out, report = migrate_te_checkpoint(buf)
     assert report.state_dicts == ["model", "module"] and out["step"] == 3
     assert {e.key.split("/")[0] for e in report.entries} == {"model", "module"}
-    assert all(isinstance(out[k]["net.0._extra_state"], dict) for k in ("model", "module"))
+    assert all(isinstance(out[k]["net.0._extra_state"], torch.Tensor) for k in ("model", "module"))
 
 
 @pytest.mark.parametrize("obj", [[1, 2], {"optimizer": {"lr": 1}}, {}, torch.ones(3)])
@@ -89,7 +90,7 @@ def test_fp8state_payloads_are_kept_and_validated() -> None:
     out, report = convert_te_state_dict(sd)
     assert out["ours._extra_state"] is sd["ours._extra_state"]  # kept as it is
     actions = {e.key: (e.action, e.era) for e in report.entries}
-    assert actions["ours._extra_state"] == ("kept", "fp8state schema v1")
+    assert actions["ours._extra_state"] == ("kept", "fp8state schema v2")
     assert actions["net.0._extra_state"][0] == "converted"
     sd["ours._extra_state"] = dict(sd["ours._extra_state"], **{"fwd.scale": torch.ones(6)})
     with pytest.raises(SchemaError, match=r"^ours\._extra_state\['fwd.scale_inv'\]"):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _helpers.paths import FIXTURES
-from _helpers.state import sub_state_dict
+from _helpers.state import fields, sub_state_dict
 
 import fp8state
 from fp8state import scaling
@@ -83,7 +83,7 @@ def test_legacy_fp8_modules_bit_exact(legacy: tuple[Path, dict, Any, Any]) -> No
     for module in truth["modules"].values():
         if not module.get("fp8_tensors_stored"):
             continue
-        payload = converted[module["extra_state_key"]]
+        payload = fields(converted[module["extra_state_key"]])
         for d in ("fwd", "bwd"):
             if module[d]["scale_inv"] is None:  # TE's own fallback agrees with 1/scale
                 assert torch.equal(
@@ -103,7 +103,7 @@ def test_legacy_recipe_follows_rules(legacy: tuple[Path, dict, Any, Any]) -> Non
         if not module.get("fp8_tensors_stored"):
             continue
         key = module["extra_state_key"]
-        p, rec = converted[key], module["recipe"]
+        p, rec = fields(converted[key]), module["recipe"]
         rows = len(module["fwd"]["amax_history"])
         assert int(p["recipe.amax_history_len"]) == rows
         efv = module["stored"].get("extra_fp8_variables") or {}
@@ -136,7 +136,7 @@ def test_legacy_fp8_off_entries(legacy: tuple[Path, dict, Any, Any]) -> None:
     _, truth, converted, report = legacy
     actions = {e.key: e.action for e in report.entries}
     assert actions["lm_head._extra_state"] == "default"  # Linear: GEMM count known
-    lm = converted["lm_head._extra_state"]
+    lm = fields(converted["lm_head._extra_state"])
     assert lm["fwd.scale"].shape == (3,) and bool((lm["fwd.amax_history"] == 0).all())
     if "final_norm._extra_state" in truth["state_dict_keys_in_order"]:  # norms from v1.13
         assert actions["final_norm._extra_state"] == "dropped"
@@ -164,7 +164,7 @@ def test_real_te_2_20_files(path: Path) -> None:
     truth = _truth(path)
     converted, report = migrate_te_checkpoint(path)
     for prefix, module in truth["modules"].items():
-        p = converted[f"{prefix}._extra_state"]
+        p = fields(converted[f"{prefix}._extra_state"])
         for d in ("fwd", "bwd"):
             scale = _f32(module[f"scale_{d}"]["values"])
             hist = _f32(module[f"amax_history_{d}"]["values"])
@@ -217,7 +217,7 @@ def test_te_names_load_strict_into_fp8state_modules(path: Path) -> None:
                 warnings.simplefilter("ignore")  # history rows differ from the module's 1024
                 result = module.load_state_dict(sub_state_dict(sd, prefix), strict=True)
             assert not result.missing_keys and not result.unexpected_keys
-            want = converted[f"{prefix}_extra_state"]
+            want = fields(converted[f"{prefix}_extra_state"])
             for d in ("fwd", "bwd"):
                 meta = module.fp8_meta(d)
                 rows = want[f"{d}.amax_history"].shape[0]

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers.state import live_payload
+from _helpers.state import fields, live_payload
 from te_gen import ERAS, Spec, extra_state
 from te_gen.expect import assert_matches_truth
 
@@ -63,13 +63,13 @@ def test_bad_te_value_names_the_key_and_leaves_the_module_unchanged() -> None:
     parent.block = TwoGemms()
     good, _ = extra_state("E07", Spec(num_gemms=2, rows=12, steps=20))
     parent.block.set_extra_state(good)
-    before = {k: v.clone() for k, v in parent.block.get_extra_state().items()}
+    before = {k: v.clone() for k, v in fields(parent.block.get_extra_state()).items()}
     bad, _ = extra_state("E07", Spec(num_gemms=1))  # a Linear's state into a 2-GEMM module
     sd = {"block.w1": torch.zeros(4, 4), "block.w2": torch.zeros(4, 4), "block._extra_state": bad}
     with pytest.raises(LegacyFormatError) as info:
         parent.load_state_dict(sd)
     assert info.value.key == "block._extra_state" and "1 GEMM" in info.value.found
-    after = parent.block.get_extra_state()
+    after = fields(parent.block.get_extra_state())
     assert all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(LegacyFormatError, match=r"^TwoGemms\._extra_state: "):
         parent.block.set_extra_state(bad)
@@ -92,15 +92,17 @@ def test_fp8state_payloads_still_take_the_schema_path() -> None:
     assert all(
         torch.equal(a, b)
         for a, b in zip(
-            source.get_extra_state().values(), target.get_extra_state().values(), strict=True
+            fields(source.get_extra_state()).values(),
+            fields(target.get_extra_state()).values(),
+            strict=True,
         )
     )
     # A schema payload missing its version is not taken for a TE value silently.
-    payload = source.get_extra_state()
+    payload = fields(source.get_extra_state())
     del payload["schema_version"]
     with pytest.raises(LegacyFormatError, match="schema_version"):
         target.set_extra_state(payload)
-    payload = source.get_extra_state()
+    payload = fields(source.get_extra_state())
     payload["fwd.scale"] = payload["fwd.scale"][:3]
     with pytest.raises(SchemaError):
         target.set_extra_state(payload)

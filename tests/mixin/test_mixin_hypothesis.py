@@ -12,7 +12,7 @@ import pytest
 import torch
 from _helpers.corruptions import KEYS_V1, copy_payload
 from _helpers.models import run_steps
-from _helpers.state import assert_unchanged, snapshot
+from _helpers.state import assert_unchanged, fields, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,9 +110,12 @@ def test_valid_payload_round_trips_exactly(payload: dict[str, torch.Tensor]) -> 
     gemms, rows = dims(payload)
     m = trained(gemms, rows, seed=0)
     m.set_extra_state(copy_payload(payload))
-    out = m.get_extra_state()
+    out = fields(m.get_extra_state())
     assert out.keys() == payload.keys()
+    assert int(out["schema_version"]) == 2  # the current version, whatever was loaded
     for k, v in payload.items():
+        if k == "schema_version":
+            continue
         assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
         assert torch.equal(out[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
     # And the module keeps working from there (scales stay finite and > 0).

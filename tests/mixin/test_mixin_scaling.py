@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers.models import Bare, TwoGemm, run_steps, save_load
-from _helpers.state import assert_state_equal
+from _helpers.state import assert_state_equal, fields
 
 from fp8state.errors import FP8StateError
 from fp8state.formats import Format
@@ -110,7 +110,7 @@ def test_scale_formula_holds_for_the_history_as_saved(recipe: DelayedScaling) ->
             for slot in range(n):
                 m.fp8_record_amax(d, slot, amax[slot])
             m.fp8_update_scales(d, recipe)
-    p = save_load(m.state_dict())["_extra_state"]
+    p = fields(save_load(m.state_dict())["_extra_state"])
     assert m.fp8_recipe == recipe
     window = int(p["recipe.amax_history_len"])
     for d in ("fwd", "bwd"):

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers.state import assert_same, assert_state_equal, fp8_payloads
+from _helpers.state import assert_same, assert_state_equal, fields, fp8_payloads
 from torch import nn
 
 import fp8state
@@ -129,7 +129,7 @@ def test_backward_history_is_kept_and_its_scales_follow_the_new_recipe() -> None
     assert torch.equal(bwd.scale[0], E4M3_MAX / amax[0] / 4.0)
     assert bwd.scale[1] == 1.0  # grad_input slot: never recorded, scale kept
     # What a checkpoint saves is consistent with the recipe it saves.
-    payload = model[2].get_extra_state()
+    payload = fields(model[2].get_extra_state())
     assert payload["recipe.margin"] == 2 and payload["recipe.fp8_format"] == 0
     assert torch.equal(payload["bwd.scale"], bwd.scale)
 
@@ -209,7 +209,9 @@ def test_only_fp8_metadata_changes(training: bool | None) -> None:
         assert torch.equal(after_sd[key], value), key  # weights and BatchNorm statistics
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and model.norm.training and not model.frozen_norm.training
-    assert not torch.equal(before["inp"]["fwd.scale"], model.inp.get_extra_state()["fwd.scale"])
+    assert not torch.equal(
+        before["inp"]["fwd.scale"], fields(model.inp.get_extra_state())["fwd.scale"]
+    )
 
 
 def test_batches_as_tuples_dicts_and_forward_fn() -> None:

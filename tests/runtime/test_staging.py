@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 import torch
-from _helpers.state import assert_same
+from _helpers.state import assert_same, fields
 from torch import nn
 
 import fp8state
@@ -49,12 +49,14 @@ def test_one_staging_for_a_whole_state_dict(monkeypatch) -> None:
 def test_state_dict_after_more_training_is_current_and_the_old_one_unchanged() -> None:
     model = _model()
     first = model.state_dict()
-    snapshot = {k: v.clone() for k, v in first["0._extra_state"].items()}
+    snapshot = first["0._extra_state"].clone()
     _step(model, scale=50.0)  # much larger amaxes: every used slot changes
     second = model.state_dict()
     assert_same(first["0._extra_state"], snapshot, ordered=True)
     assert_same(second["0._extra_state"], pack(model[0].fp8_state()), ordered=True)
-    assert not torch.equal(second["0._extra_state"]["fwd.scale"], snapshot["fwd.scale"])
+    assert not torch.equal(
+        fields(second["0._extra_state"])["fwd.scale"], fields(snapshot)["fwd.scale"]
+    )
 
 
 def test_direct_buffer_edits_are_never_hidden_by_a_staged_copy() -> None:
@@ -62,7 +64,7 @@ def test_direct_buffer_edits_are_never_hidden_by_a_staged_copy() -> None:
     staging.stage(torch.device("cpu"))
     with torch.no_grad():
         model[1].fp8_meta("fwd").scale.fill_(3.0)  # bypasses the mixin's API
-    assert torch.equal(model[1].get_extra_state()["fwd.scale"], torch.full((3,), 3.0))
+    assert torch.equal(fields(model[1].get_extra_state())["fwd.scale"], torch.full((3,), 3.0))
 
 
 def test_loads_moves_and_recipe_changes_invalidate() -> None:
@@ -80,15 +82,7 @@ def test_loads_moves_and_recipe_changes_invalidate() -> None:
 def test_each_module_payload_has_its_own_small_storage() -> None:
     model = _model()
     sd = model.state_dict()
-    # The float32 metadata; the recipe integers share one small column per key (documented).
-    storages = [
-        {
-            t.untyped_storage().data_ptr()
-            for t in sd[f"{i}._extra_state"].values()
-            if t.dtype == torch.float32
-        }
-        for i in range(len(model))
-    ]
+    storages = [{sd[f"{i}._extra_state"].untyped_storage().data_ptr()} for i in range(len(model))]
     for i, a in enumerate(storages):
         for b in storages[i + 1 :]:
             assert not a & b
@@ -98,7 +92,7 @@ def test_each_module_payload_has_its_own_small_storage() -> None:
     assert not live & set().union(*storages)
     buf = io.BytesIO()
     torch.save(sd["0._extra_state"], buf)
-    own_bytes = sum(t.numel() * t.element_size() for t in sd["0._extra_state"].values())
+    own_bytes = sd["0._extra_state"].numel() * 4
     assert buf.tell() < own_bytes + 4096  # its own bytes, not the whole model's
 
 
@@ -123,9 +117,7 @@ def test_payload_is_handed_out_once() -> None:
     model = _model(2)
     a = model.state_dict()["0._extra_state"]
     b = model.state_dict()["0._extra_state"]
-    assert (
-        a["fwd.scale"].untyped_storage().data_ptr() != b["fwd.scale"].untyped_storage().data_ptr()
-    )
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert_same(a, b, ordered=True)
 
 
@@ -140,25 +132,23 @@ def test_staging_one_device_keeps_the_entries_of_another(monkeypatch) -> None:
     assert calls == []  # every module took its payload staged before
 
 
-def test_own_storages_are_slices_that_save_only_their_bytes() -> None:
-    """The GPU path's host block: one allocation, a storage of its own per module."""
+def test_payloads_from_one_host_block_have_storages_of_their_own() -> None:
+    """The GPU path's host block: one transfer, then a tensor of its own per module."""
     model = _model(3)
     members = [(m, staging._buffers_of(m)) for m in model]
     host = torch.cat([t.reshape(-1) for _, bufs in members for t in bufs])
     padded = torch.cat([torch.full((5,), -1.0), host])  # a host view that starts mid-storage
-    blocks = staging._own_storages(padded[5:], members)
+    headers = tuple(torch.full((7,), float(i)) for i in range(len(members)))
+    payloads = staging._with_headers(padded[5:], members, headers)
     offset = 0
-    for (_, bufs), block in zip(members, blocks, strict=True):
+    for (_, bufs), head, payload in zip(members, headers, payloads, strict=True):
         size = sum(t.numel() for t in bufs)
-        assert block.dtype == torch.float32 and block.shape == (size,)
-        assert torch.equal(block, host[offset : offset + size])
-        assert block.untyped_storage().nbytes() == size * 4
-        buf = io.BytesIO()
-        torch.save(block, buf)
-        assert buf.tell() < size * 4 + 2048  # its own bytes, not the block's
+        assert payload.dtype == torch.float32 and payload.shape == (7 + size,)
+        assert torch.equal(payload[:7], head)
+        assert torch.equal(payload[7:], host[offset : offset + size])
+        assert payload.untyped_storage().data_ptr() != padded.untyped_storage().data_ptr()
+        assert payload.untyped_storage().nbytes() == (7 + size) * 4
         offset += size
-    del host, padded
-    assert torch.equal(blocks[-1], torch.cat([t.reshape(-1) for t in members[-1][1]]))
 
 
 def test_state_dict_under_a_default_device_context_stays_on_the_cpu() -> None:
@@ -167,7 +157,7 @@ def test_state_dict_under_a_default_device_context_stays_on_the_cpu() -> None:
         sd = model.state_dict()
     for key, value in sd.items():
         if key.endswith("_extra_state"):
-            assert {t.device.type for t in value.values()} == {"cpu"}, key
+            assert value.device.type == "cpu", key
     other = _model(3)
     other.load_state_dict(sd)
     assert_same(other[0].get_extra_state(), sd["0._extra_state"], ordered=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8state.schema import as_mapping
 from te_gen.history import TEMeta
 from te_gen.payloads import Truth
 
@@ -46,8 +47,10 @@ def expected_direction(truth: Truth, direction: str) -> dict[str, torch.Tensor]:
 
 
 def assert_matches_truth(payload: dict[str, torch.Tensor], truth: Truth) -> None:
-    """Bit-exact comparison of a schema-1 payload with the truth."""
+    """Bit-exact comparison of a schema payload (any version) with the truth."""
     assert payload is not None
+    if isinstance(payload, torch.Tensor):  # schema 2's form; live views are mappings already
+        payload = as_mapping(payload)
     for d in ("fwd", "bwd"):
         for field, want in expected_direction(truth, d).items():
             got = payload[f"{d}.{field}"]

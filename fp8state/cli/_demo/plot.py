@@ -8,11 +8,11 @@ display needed, and the caller's matplotlib backend is left alone.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8state.errors import ConfigError
+from fp8state.migrate.writer import write_atomically
 
 if TYPE_CHECKING:
     from fp8state.cli._demo.training import DemoResult
@@ -76,7 +76,8 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
     checkpoint (they overlap where the resume is exact). Right: the scale of each slot of
     :data:`fp8state.cli._demo.training.TRACED_SLOTS` after every step, in both runs. In both
     panels a dotted line, named in the legend, marks the checkpoint. The file is written
-    next to ``path`` and renamed into place, so ``path`` is never half-written.
+    next to ``path`` and renamed into place, so ``path`` is never half-written; an existing
+    file is replaced, and the file gets the mode ``open`` gives a new one (the umask's).
 
     Args:
         result: What :func:`fp8state.cli._demo.training.run_demo` returned.
@@ -90,15 +91,9 @@ def plot_demo(result: DemoResult, path: str | os.PathLike[str]) -> Path:
     """
     target = check_plot_path(path)
     fig = demo_figure(result)
-    # Written beside the target, then renamed: an interrupted run leaves no broken PNG.
-    fd, tmp = tempfile.mkstemp(prefix=".fp8state-plot-", suffix=".png", dir=target.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # Written beside the target, synced, then renamed: an interrupted run leaves no broken PNG.
+    # A plot is redrawn by running the demo again, so an existing one is replaced.
+    write_atomically(target, lambda file: fig.savefig(file, format="png"))
     return target
 
 

@@ -1,0 +1,100 @@
+"""Hugging Face gradient checkpointing on a converted model: bit-identical FP8 training.
+
+A tiny ``transformers.LlamaForCausalLM`` (built from a config, nothing downloaded) converted
+with ``fp8state.convert_model`` trains a few steps under ``fp8_autocast`` with
+``model.gradient_checkpointing_enable()`` (which runs ``torch.utils.checkpoint``, both ways)
+and with fp8state's drop-in as the checkpoint function: losses, input and weight gradients
+and every FP8 buffer match the same steps without checkpointing, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from _helpers.state import assert_same
+
+import fp8state
+from fp8state.functional import activation_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+FIELDS = ("amax_history", "scale", "scale_inv")
+
+
+def _model() -> Any:
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    fp8state.convert_model(model)
+    fp8_modules = [m for m in model.modules() if isinstance(m, fp8state.FP8StateMixin)]
+    assert len(fp8_modules) == 15  # 7 projections per layer, and the head
+    for module in fp8_modules:
+        module.fp8_min_gemm_macs = 0  # FP8 even at this size
+    return model.train()
+
+
+def _enable(model: Any, how: str) -> None:
+    if how == "none":
+        return
+    if how == "drop-in":
+        # transformers' hook for the checkpoint function its layers call.
+        model._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=activation_checkpoint
+        )
+        return
+    with warnings.catch_warnings():  # renamed activation_checkpointing_enable in 5.x
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"}
+        )
+        assert model.is_gradient_checkpointing
+
+
+def _train(how: str) -> list[dict[str, torch.Tensor]]:
+    model, seen = _model(), []
+    _enable(model, how)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        with fp8state.fp8_autocast():
+            loss = model(inputs_embeds=embeds, labels=ids).loss
+        loss.backward()
+        step = {"loss": loss.detach(), "inputs_embeds.grad": embeds.grad}
+        step.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
+        for name, module in model.named_modules():
+            if isinstance(module, fp8state.FP8StateMixin):
+                assert module.fp8_last_gemm_backend == "emulated"
+                for d in ("fwd", "bwd"):
+                    for field, t in zip(FIELDS, module.fp8_meta(d), strict=True):
+                        step[f"{name}.{d}.{field}"] = t.clone()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:  # the embedding's: its output came in detached
+                    p -= 0.01 * p.grad
+                    p.grad = None
+        seen.append(step)
+    return seen
+
+
+@functools.cache
+def _reference() -> list[dict[str, torch.Tensor]]:
+    return _train("none")
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "drop-in"])
+def test_gradient_checkpointing_trains_bit_identically(how: str) -> None:
+    assert_same(_reference(), _train(how))

@@ -1,0 +1,146 @@
+"""FP8 models through Hugging Face's and Accelerate's own checkpointing, with the real packages:
+save_pretrained (sharded too) -> from_pretrained, plain models reading FP8 checkpoints, and
+Accelerate's save_state/load_state with their defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers.state import assert_state_equal
+
+import fp8state
+from fp8state.errors import CheckpointError
+from fp8state.integrations.huggingface import load_fp8_metadata
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config():
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+
+
+def _fp8(model: torch.nn.Module) -> torch.nn.Module:
+    fp8state.convert_model(model)
+    for module in model.modules():
+        if isinstance(module, fp8state.FP8StateMixin):
+            module.fp8_min_gemm_macs = 0  # tiny GEMMs: FP8 all the same
+    return model
+
+
+def _train(model: torch.nn.Module, steps: int, seed: int = 0) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        with fp8state.fp8_autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = _fp8(transformers.LlamaForCausalLM(_config()))
+    _train(model, 3)
+    return model
+
+
+@pytest.mark.parametrize("shard", [None, "60KB"], ids=["one-file", "sharded"])
+def test_save_pretrained_round_trip_restores_fp8_metadata_bit_for_bit(
+    trained: torch.nn.Module, tmp_path: Path, shard: str | None
+) -> None:
+    kwargs = {} if shard is None else {"max_shard_size": shard}
+    trained.save_pretrained(tmp_path, **kwargs)
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (shard is not None)
+    again = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    restored = load_fp8_metadata(again, tmp_path)
+    assert len(restored) == 2 * 7 + 1  # 7 projections per layer and lm_head
+    assert_state_equal(again, trained)
+    for key, value in trained.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    # And it trains on exactly as the saved model does.
+    twin = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    load_fp8_metadata(twin, tmp_path)
+    assert _train(again, 2, seed=1) == _train(twin, 2, seed=1)
+
+
+def test_a_plain_model_reads_the_weights_of_an_fp8_checkpoint(
+    trained: torch.nn.Module, tmp_path: Path
+) -> None:
+    trained.save_pretrained(tmp_path)
+    plain, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(isinstance(m, fp8state.FP8StateMixin) for m in plain.modules())
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert all(k.endswith("._extra_state") for k in info["unexpected_keys"])
+    assert len(info["unexpected_keys"]) == 15
+    weights = {k: v for k, v in trained.state_dict().items() if not k.endswith("_extra_state")}
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_missing_metadata_is_an_error_and_changes_nothing(
+    trained: torch.nn.Module, tmp_path: Path
+) -> None:
+    plain = transformers.LlamaForCausalLM(_config())
+    plain.load_state_dict(
+        {k: v for k, v in trained.state_dict().items() if not k.endswith("_extra_state")}
+    )
+    plain.save_pretrained(tmp_path)  # a plain checkpoint: no FP8 metadata at all
+    model = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="no FP8 metadata"):
+        load_fp8_metadata(model, tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_accelerate_save_state_and_load_state_resume_bit_for_bit(tmp_path: Path) -> None:
+    accelerate = pytest.importorskip("accelerate")
+
+    def setup(seed: int):
+        torch.manual_seed(seed)
+        model = _fp8(transformers.LlamaForCausalLM(_config()))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        acc = accelerate.Accelerator(cpu=True)
+        model, opt = acc.prepare(model, opt)
+        return acc, model, opt
+
+    def steps(acc, model, opt, n: int, seed: int) -> list[float]:
+        gen = torch.Generator().manual_seed(seed)
+        losses = []
+        for _ in range(n):
+            ids = torch.randint(0, 128, (2, 16), generator=gen)
+            with fp8state.fp8_autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    acc, model, opt = setup(0)
+    first = steps(acc, model, opt, 2, seed=1)
+    acc.save_state(str(tmp_path / "state"))  # defaults: safetensors for the model
+    rest = steps(acc, model, opt, 2, seed=2)
+    acc2, model2, opt2 = setup(5)  # other initial weights: everything must come from the files
+    acc2.load_state(str(tmp_path / "state"))
+    assert steps(acc2, model2, opt2, 2, seed=2) == rest
+    assert first  # the first steps ran in FP8 too
+    assert_state_equal(model2, model)
+    acc.save_model(model, str(tmp_path / "model"))  # Accelerate's save_model, also default
+    assert list((tmp_path / "model").glob("*.safetensors"))
