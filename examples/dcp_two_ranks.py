@@ -103,7 +103,7 @@ def main() -> int:
         file_ok = same_state(from_file, reference)
         print(
             f"consolidate: {result.num_tensors} tensors, FP8 modules "
-            f"{list(result.fp8_modules)}; torch.load(weights_only=True) gives the same "
+            f"{sorted(result.fp8_modules)}; torch.load(weights_only=True) gives the same "
             f"model: {file_ok}"
         )
     head = loaded[2].fp8_meta("fwd")

@@ -66,6 +66,8 @@ _INT_KEYS = ("schema_version", *(f"recipe.{f}" for f in RECIPE_FIELDS))
 #: The packed tensor's header, in order: what fixes the shapes of the rest, and the integers.
 HEADER_FIELDS = ("schema_version", "num_gemms", "rows", *(f"recipe.{f}" for f in RECIPE_FIELDS))
 _SLOTS = FWD_SLOTS_PER_GEMM + BWD_SLOTS_PER_GEMM
+#: The largest header integer float32 holds exactly (every integer up to 2**24).
+MAX_HEADER_INT = 2**24
 #: Schema 1 stored a dict; the tensor form starts at version 2.
 FIRST_PACKED_VERSION = 2
 
@@ -87,6 +89,14 @@ def to_packed(version: int, recipe: Sequence[int], tensors: Sequence[torch.Tenso
     hist = tensors[0]
     num_gemms = hist.shape[1] // FWD_SLOTS_PER_GEMM
     header = [version, num_gemms, hist.shape[0], *recipe]
+    for name, value in zip(HEADER_FIELDS, header, strict=True):
+        if not 0 <= value <= MAX_HEADER_INT:  # float32 would store another number
+            raise SchemaError(
+                payload_key(name),
+                str(value),
+                f"an integer from 0 to {MAX_HEADER_INT} (exact in the float32 header)",
+                "Use a recipe (margin, window) and a history length within that range.",
+            )
     # device="cpu": a `with torch.device(...)` default must not move the payload.
     head = torch.tensor(header, dtype=torch.float32, device="cpu")
     body = torch.cat([t.detach().reshape(-1) for t in tensors])

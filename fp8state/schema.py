@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fp8state._layout import (
+    MAX_HEADER_INT,
     PAYLOAD_KEYS,
     RECIPE_FIELDS,
     TENSOR_FIELDS,
@@ -334,6 +335,14 @@ def _check_keys(payload: Mapping[str, torch.Tensor]) -> None:
 
 def _unpack_recipe(payload: Mapping[str, torch.Tensor]) -> DelayedScaling:
     scalars = {field: int_scalar(payload, f"recipe.{field}") for field in RECIPE_FIELDS}
+    for field, value in scalars.items():
+        if value > MAX_HEADER_INT:  # schema 2 could not store it exactly
+            raise SchemaError(
+                payload_key(f"recipe.{field}"),
+                str(value),
+                f"at most {MAX_HEADER_INT}",
+                "The checkpoint is corrupt or was edited by hand.",
+            )
     try:
         return DelayedScaling.from_scalars(scalars)
     except RecipeError as err:

@@ -92,7 +92,7 @@ def test_fp8state_payloads_are_kept_and_validated() -> None:
     actions = {e.key: (e.action, e.era) for e in report.entries}
     assert actions["ours._extra_state"] == ("kept", "fp8state schema v2")
     assert actions["net.0._extra_state"][0] == "converted"
-    sd["ours._extra_state"] = dict(sd["ours._extra_state"], **{"fwd.scale": torch.ones(6)})
+    sd["ours._extra_state"] = dict(fields(sd["ours._extra_state"]), **{"fwd.scale": torch.ones(6)})
     with pytest.raises(SchemaError, match=r"^ours\._extra_state\['fwd.scale_inv'\]"):
         convert_te_state_dict(sd)
     out, report = convert_te_state_dict(sd, strict=False)
