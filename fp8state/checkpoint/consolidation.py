@@ -7,15 +7,13 @@ loads into a model on one device with ``load_state_dict(strict=True)``.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import pickle
-import secrets
 from dataclasses import dataclass
 
 import torch
 
+from fp8state._atomic_file import write_atomically
 from fp8state.checkpoint._entries import is_fp8_payload, iter_extra_states
 from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
@@ -62,55 +60,17 @@ def _exists(out: str) -> CheckpointError:
     )
 
 
-# The steps of fp8state.migrate.writer.write_atomically, which sits a layer above this one:
-# a new file beside ``out`` (mode 0o666 less the umask, as torch.save's own), synced, read
-# back, then renamed (or hard-linked, which never replaces a file) into place.
-_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-_NO_LINK = (errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK)
-
-
 def _write(state: object, out: str, num_tensors: int, source: str, overwrite: bool) -> None:
     """``torch.save(state, out)`` atomically, read back with ``weights_only=True`` first."""
-    directory = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(directory, f".consolidate-{secrets.token_hex(4)}.pt")
-    fd = os.open(tmp, _FLAGS, 0o666)
     try:
-        with os.fdopen(fd, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        _check_readable(tmp, out, num_tensors, source)
-        if overwrite:
-            os.replace(tmp, out)
-        else:
-            _link(tmp, out)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    if os.name == "posix":  # the new name is on disk once the folder is
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-
-
-def _link(tmp: str, out: str) -> None:
-    """Give ``tmp`` the name ``out`` unless a file has it (one may appear while writing)."""
-    try:
-        os.link(tmp, out)
-    except FileExistsError:
+        write_atomically(
+            out,
+            lambda file: torch.save(state, file),
+            check=lambda tmp: _check_readable(tmp, out, num_tensors, source),
+            overwrite=overwrite,
+        )
+    except FileExistsError:  # also one that appeared while the file was written
         raise _exists(out) from None
-    except OSError as err:
-        if err.errno not in _NO_LINK:  # a file system without hard links: check, then rename
-            raise
-        if os.path.lexists(out):
-            raise _exists(out) from None
-        os.replace(tmp, out)
-        return
-    os.remove(tmp)
 
 
 def _check_readable(tmp: str, out: str, num_tensors: int, source: str) -> None:

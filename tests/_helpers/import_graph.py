@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "quantize",
             "_payload_checks",
             "_layout",
+            "_atomic_file",
             "schema",
             "backends",
         ),

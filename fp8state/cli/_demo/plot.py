@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fp8state._atomic_file import write_atomically
 from fp8state.errors import ConfigError
-from fp8state.migrate.writer import write_atomically
 
 if TYPE_CHECKING:
     from fp8state.cli._demo.training import DemoResult
