@@ -4,6 +4,7 @@
 - ``numerics``: SQNR and the bytes of a tensor.
 - ``models``: small mixin modules and models, their training steps, a save/load round trip.
 - ``tiny_lm``: a small plain-PyTorch transformer and its conversion.
+- ``hf``: a tiny Hugging Face Llama built from a config, converted to FP8.
 - ``state``: bit-exact comparisons of tensors, payloads, state dicts and modules' FP8 state;
   snapshots for "nothing changed".
 - ``corruptions``: every kind of bad payload, for the schema and mixin error tests.

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers.hf import tiny_fp8_llama
 from _helpers.state import assert_same
 
 import fp8state
@@ -27,22 +28,9 @@ FIELDS = ("amax_history", "scale", "scale_inv")
 
 
 def _model() -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    fp8state.convert_model(model)
+    model = tiny_fp8_llama(seed=0)
     fp8_modules = [m for m in model.modules() if isinstance(m, fp8state.FP8StateMixin)]
     assert len(fp8_modules) == 15  # 7 projections per layer, and the head
-    for module in fp8_modules:
-        module.fp8_min_gemm_macs = 0  # FP8 even at this size
     return model.train()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers.hf import tiny_fp8_llama, tiny_llama_config, to_fp8
 from _helpers.state import assert_state_equal
 
 import fp8state
@@ -15,26 +16,6 @@ from fp8state.errors import CheckpointError
 from fp8state.integrations.huggingface import load_fp8_metadata
 
 transformers = pytest.importorskip("transformers")
-
-
-def _config():
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=32,
-    )
-
-
-def _fp8(model: torch.nn.Module) -> torch.nn.Module:
-    fp8state.convert_model(model)
-    for module in model.modules():
-        if isinstance(module, fp8state.FP8StateMixin):
-            module.fp8_min_gemm_macs = 0  # tiny GEMMs: FP8 all the same
-    return model
 
 
 def _train(model: torch.nn.Module, steps: int, seed: int = 0) -> list[float]:
@@ -54,8 +35,7 @@ def _train(model: torch.nn.Module, steps: int, seed: int = 0) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trained() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = _fp8(transformers.LlamaForCausalLM(_config()))
+    model = tiny_fp8_llama(seed=0)
     _train(model, 3)
     return model
 
@@ -67,14 +47,14 @@ def test_save_pretrained_round_trip_restores_fp8_metadata_bit_for_bit(
     kwargs = {} if shard is None else {"max_shard_size": shard}
     trained.save_pretrained(tmp_path, **kwargs)
     assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (shard is not None)
-    again = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    again = to_fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
     restored = load_fp8_metadata(again, tmp_path)
     assert len(restored) == 2 * 7 + 1  # 7 projections per layer and lm_head
     assert_state_equal(again, trained)
     for key, value in trained.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
     # And it trains on exactly as the saved model does.
-    twin = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    twin = to_fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
     load_fp8_metadata(twin, tmp_path)
     assert _train(again, 2, seed=1) == _train(twin, 2, seed=1)
 
@@ -96,12 +76,12 @@ def test_a_plain_model_reads_the_weights_of_an_fp8_checkpoint(
 def test_missing_metadata_is_an_error_and_changes_nothing(
     trained: torch.nn.Module, tmp_path: Path
 ) -> None:
-    plain = transformers.LlamaForCausalLM(_config())
+    plain = transformers.LlamaForCausalLM(tiny_llama_config())
     plain.load_state_dict(
         {k: v for k, v in trained.state_dict().items() if not k.endswith("_extra_state")}
     )
     plain.save_pretrained(tmp_path)  # a plain checkpoint: no FP8 metadata at all
-    model = _fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
+    model = to_fp8(transformers.LlamaForCausalLM.from_pretrained(tmp_path))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match="no FP8 metadata"):
         load_fp8_metadata(model, tmp_path)
@@ -113,8 +93,7 @@ def test_accelerate_save_state_and_load_state_resume_bit_for_bit(tmp_path: Path)
     accelerate = pytest.importorskip("accelerate")
 
     def setup(seed: int):
-        torch.manual_seed(seed)
-        model = _fp8(transformers.LlamaForCausalLM(_config()))
+        model = tiny_fp8_llama(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         acc = accelerate.Accelerator(cpu=True)
         model, opt = acc.prepare(model, opt)

@@ -1,0 +1,41 @@
+"""A tiny Hugging Face Llama converted to FP8, built from a config (no downloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import fp8state
+
+
+def tiny_llama_config() -> Any:
+    """Hidden 64, 2 layers, 4 heads over 2 KV heads, vocabulary 128, 32 positions."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+
+
+def to_fp8(model: torch.nn.Module) -> torch.nn.Module:
+    """``convert_model``, with every FP8 module running FP8 even at this size."""
+    fp8state.convert_model(model)
+    for module in model.modules():
+        if isinstance(module, fp8state.FP8StateMixin):
+            module.fp8_min_gemm_macs = 0
+    return model
+
+
+def tiny_fp8_llama(seed: int = 0) -> torch.nn.Module:
+    """A freshly initialized :func:`tiny_llama_config` model (``seed``), converted."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return to_fp8(transformers.LlamaForCausalLM(tiny_llama_config()))
