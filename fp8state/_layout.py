@@ -33,6 +33,7 @@ __all__ = [
     "PAYLOAD_KEYS",
     "HEADER_FIELDS",
     "packed_numel",
+    "header_ints",
     "to_packed",
     "from_packed",
     "mapping_tensors",
@@ -77,6 +78,25 @@ def packed_numel(num_gemms: int, rows: int) -> int:
     return len(HEADER_FIELDS) + (rows + 2) * _SLOTS * num_gemms
 
 
+def header_ints(version: int, num_gemms: int, rows: int, recipe: Sequence[int]) -> list[int]:
+    """The header's integers in :data:`HEADER_FIELDS` order, each checked to fit float32.
+
+    Raises:
+        SchemaError: a value outside ``0 .. MAX_HEADER_INT`` (float32 would store another
+            number, so it is refused rather than written).
+    """
+    header = [version, num_gemms, rows, *recipe]
+    for name, value in zip(HEADER_FIELDS, header, strict=True):
+        if not 0 <= value <= MAX_HEADER_INT:
+            raise SchemaError(
+                payload_key(name),
+                str(value),
+                f"an integer from 0 to {MAX_HEADER_INT} (exact in the float32 header)",
+                "Use a recipe (margin, window) and a history length within that range.",
+            )
+    return header
+
+
 def to_packed(version: int, recipe: Sequence[int], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One new CPU float32 tensor: the header, then ``tensors`` (the six, in order) flattened.
 
@@ -87,21 +107,13 @@ def to_packed(version: int, recipe: Sequence[int], tensors: Sequence[torch.Tenso
             device's are moved with one transfer, and no device-wide synchronization happens.
     """
     hist = tensors[0]
-    num_gemms = hist.shape[1] // FWD_SLOTS_PER_GEMM
-    header = [version, num_gemms, hist.shape[0], *recipe]
-    for name, value in zip(HEADER_FIELDS, header, strict=True):
-        if not 0 <= value <= MAX_HEADER_INT:  # float32 would store another number
-            raise SchemaError(
-                payload_key(name),
-                str(value),
-                f"an integer from 0 to {MAX_HEADER_INT} (exact in the float32 header)",
-                "Use a recipe (margin, window) and a history length within that range.",
-            )
+    header = header_ints(version, hist.shape[1] // FWD_SLOTS_PER_GEMM, hist.shape[0], recipe)
     # device="cpu": a `with torch.device(...)` default must not move the payload.
     head = torch.tensor(header, dtype=torch.float32, device="cpu")
-    body = torch.cat([t.detach().reshape(-1) for t in tensors])
-    if body.device.type == "cpu":
-        return torch.cat([head, body])
+    flat = [t.detach().reshape(-1) for t in tensors]
+    if flat[0].device.type == "cpu":
+        return torch.cat([head, *flat])  # one copy
+    body = torch.cat(flat)  # one device-to-host transfer below
     out = torch.empty(head.numel() + body.numel(), dtype=torch.float32, device="cpu")
     out[: head.numel()] = head
     out[head.numel() :].copy_(body)

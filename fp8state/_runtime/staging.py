@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 
+from fp8state._layout import header_ints
 from fp8state._runtime.buffers import ALL_BUFFER_NAMES
 from fp8state._runtime.friend import FP8Friend
 from fp8state._runtime.generation import buffer_generation
@@ -124,13 +125,13 @@ def _stage(device: torch.device) -> None:
     # Each module's packed header (fp8state._layout): version, GEMMs, rows, the recipe.
     headers = torch.tensor(
         [
-            [
+            header_ints(
                 SCHEMA_VERSION,
                 bufs[1].shape[0] // FWD_SLOTS_PER_GEMM,
                 bufs[0].shape[0],
-                *(recipes.get(r) or recipes.setdefault(r, list(r.to_scalars().values()))),
-            ]
-            for r, bufs in ((module.fp8_recipe, bufs) for module, bufs in members)
+                _recipe_ints(module.fp8_recipe, recipes),
+            )
+            for module, bufs in members
         ],
         dtype=torch.float32,
         device="cpu",  # not a `with torch.device(...)` default
@@ -139,6 +140,14 @@ def _stage(device: torch.device) -> None:
         members, _packed_payloads(device, members, headers), strict=True
     ):
         _STAGED[id(module)] = (weakref.ref(module), device, _stamp(module, bufs), payload)
+
+
+def _recipe_ints(recipe: Any, known: dict[object, list[int]]) -> list[int]:
+    """``recipe``'s integers, converted once per distinct recipe of a staging."""
+    ints = known.get(recipe)
+    if ints is None:
+        ints = known[recipe] = list(recipe.to_scalars().values())
+    return ints
 
 
 def _packed_payloads(

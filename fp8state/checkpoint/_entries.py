@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fp8state.mixin import FP8StateMixin
-from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key, is_payload
+from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key
 
 _CHECKPOINT_WRAPPER_SEGMENT = "_checkpoint_wrapped_module"
 
@@ -127,11 +127,6 @@ class KeyResolver:
     def resolve(self, key: str) -> Entry | None:
         """The entry ``key`` names, preferring the model's own spelling."""
         return self._by_key.get(key) or self._by_canonical.get(key)
-
-
-def is_fp8_payload(value: object) -> bool:
-    """True for an fp8state extra-state payload (:func:`fp8state.schema.is_payload`)."""
-    return is_payload(value)
 
 
 def iter_extra_states(obj: object, prefix: str = "") -> Iterator[tuple[str, object]]:

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from fp8state._atomic_file import write_atomically
-from fp8state.checkpoint._entries import is_fp8_payload, iter_extra_states
+from fp8state.checkpoint._entries import iter_extra_states
 from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
 from fp8state.checkpoint.io import refused_global
 from fp8state.errors import CheckpointError, FP8StateError, StateDictError
-from fp8state.schema import unpack
+from fp8state.schema import is_payload, unpack
 
 __all__ = ["ConsolidateResult", "consolidate"]
 
@@ -143,7 +143,7 @@ def consolidate(
     fp8_keys: list[str] = []
     problems: list[FP8StateError] = []
     for key, value in iter_extra_states(state):
-        if not is_fp8_payload(value):
+        if not is_payload(value):
             continue
         fp8_keys.append(key)
         try:

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fp8state.checkpoint._dcp_errors import dcp_failure
-from fp8state.checkpoint._entries import is_fp8_payload
 from fp8state.checkpoint._problems import (
     keys_of,
     missing_fp8_metadata,
@@ -33,6 +32,7 @@ from fp8state.checkpoint._problems import (
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
 from fp8state.errors import CheckpointError, FP8StateError, StateDictError
+from fp8state.schema import is_payload
 
 __all__ = ["dcp_save", "dcp_load"]
 
@@ -158,7 +158,7 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
     plan = _Plan()
     for name, value in sd.items():
         items = stored.get(name)
-        if items is None and is_fp8_payload(value):
+        if items is None and is_payload(value):
             plan.missing.append(
                 missing_fp8_metadata(
                     name, "checkpoint", reader="fp8state.checkpoint.load_dcp_state_dict"
@@ -173,7 +173,7 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
                     "Load a checkpoint of this model, or pass strict=False.",
                 )
             )
-        elif is_fp8_payload(value):
+        elif is_payload(value):
             # Shaped like the checkpoint's payload, not the fresh model's: a history saved
             # with other row counts (or an older schema) loads, and the module adapts it.
             whole = items.get(())

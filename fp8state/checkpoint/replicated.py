@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fp8state._layout import from_packed
-from fp8state.checkpoint._entries import fp8_modules, is_fp8_payload, iter_extra_states
+from fp8state.checkpoint._entries import fp8_modules, iter_extra_states
 from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.errors import DistributedStateError, FP8StateError
+from fp8state.schema import is_payload
 
 __all__ = ["check_fp8_metadata_replicated"]
 
@@ -44,7 +45,7 @@ def _local_digests(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[s
             for _, canonical, module in fp8_modules(model_or_state_dict)
         }
     else:
-        payloads = {k: v for k, v in iter_extra_states(model_or_state_dict) if is_fp8_payload(v)}
+        payloads = {k: v for k, v in iter_extra_states(model_or_state_dict) if is_payload(v)}
     return {key: _field_digests(payload) for key, payload in payloads.items()}
 
 

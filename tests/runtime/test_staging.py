@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from _helpers.state import assert_same, fields
 from torch import nn
@@ -177,3 +178,17 @@ def test_deepcopied_module_counts_as_new_for_pointer_caches() -> None:
     clone = copy.deepcopy(model)
     assert buffer_generation() > before
     assert all(m in staging._LIVE for m in clone)  # staged with the others in state_dict()
+
+
+def test_a_recipe_float32_cannot_hold_is_refused_not_rounded() -> None:
+    """The packed header is float32: a margin past 2**24 would be saved as another number."""
+    from fp8state.errors import SchemaError
+
+    model = _model(2)
+    model[1].fp8_recipe = fp8state.DelayedScaling(margin=2**24 + 1)
+    with pytest.raises(SchemaError, match="recipe.margin"):
+        model.state_dict()  # the staged path
+    with pytest.raises(SchemaError, match="recipe.margin"):
+        pack(model[1].fp8_state())  # the direct one
+    model[1].fp8_recipe = fp8state.DelayedScaling(margin=2**24)  # the largest exact one
+    assert fields(model.state_dict()["1._extra_state"])["recipe.margin"] == 2**24
