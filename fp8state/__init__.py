@@ -8,6 +8,8 @@ from fp8state._version import __version__
 from fp8state.autocast import fp8_autocast, is_fp8_enabled
 from fp8state.convert import convert_model, plan_conversion
 from fp8state.formats import Format
+from fp8state.functional import activation_checkpoint
+from fp8state.integrations.forward import autocast_forward
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import Conv1D, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from fp8state.recalibration import CalibrationReport, recalibrate
@@ -27,6 +29,8 @@ __all__ = [
     "Conv1D",
     "fp8_autocast",
     "is_fp8_enabled",
+    "autocast_forward",
+    "activation_checkpoint",
     "convert_model",
     "plan_conversion",
     "recalibrate",

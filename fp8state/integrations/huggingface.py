@@ -74,7 +74,7 @@ def load_fp8_metadata(model: nn.Module, folder: str | os.PathLike[str]) -> list[
         >>> again = fp8state.convert_model(LlamaForCausalLM.from_pretrained(folder))
         >>> restored = load_fp8_metadata(again, folder)
         >>> restored[0], len(restored)
-        ('model.layers.0.self_attn.q_proj._extra_state', 9)
+        ('model.layers.0.self_attn.q_proj._extra_state', 8)
     """
     where = Path(folder)
     saved = _saved_extra_states(where)

@@ -39,3 +39,38 @@ def tiny_fp8_llama(seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     return to_fp8(transformers.LlamaForCausalLM(tiny_llama_config()))
+
+
+def tiny_gpt2_config() -> Any:
+    """Hidden 64, 2 layers, 2 heads, vocabulary 128, 32 positions; dropout left on."""
+    import transformers
+
+    return transformers.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        vocab_size=128,
+        n_positions=32,
+        bos_token_id=0,  # GPT-2's 50256 is outside a 128-token vocabulary
+        eos_token_id=0,
+    )
+
+
+def tiny_fp8_gpt2(seed: int = 0) -> torch.nn.Module:
+    """A freshly initialized :func:`tiny_gpt2_config` model (``seed``), converted."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return to_fp8(transformers.GPT2LMHeadModel(tiny_gpt2_config()))
+
+
+def tiny_fp8_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """``"llama"`` or ``"gpt2"``: the tiny converted model of that architecture."""
+    return {"llama": tiny_fp8_llama, "gpt2": tiny_fp8_gpt2}[arch](seed)
+
+
+def hf_class(arch: str) -> Any:
+    """The ``transformers`` class :func:`tiny_fp8_model` builds for ``arch``."""
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[arch]

@@ -88,3 +88,35 @@ def test_recorded_run_has_every_key() -> None:
     result = json.loads((REPO_ROOT / "benchmarks" / "results" / "h200.json").read_text())
     assert KEYS <= result.keys()
     assert result["gpu"].startswith("NVIDIA H200")
+
+
+def _quick_run(script: str, tmp_path, timeout: int) -> dict:
+    out = tmp_path / "result.json"
+    out.write_text('{"earlier": 1}\n')  # --out merges its keys into what is there
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / script), "--quick", "--device", "cpu"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result.pop("earlier") == 1
+    return result
+
+
+def test_checkpoint_round_trip_benchmark_quick_run(tmp_path) -> None:
+    result = _quick_run("checkpoint_roundtrip.py", tmp_path, 300)["checkpoint_roundtrip"]
+    assert result["ratio"] > 0 and result["parameters"] > 0
+    assert len(result["rounds"]["fp8state"]) == len(result["rounds"]["torch_nn"]) == 2
+    assert result["command"] == "python benchmarks/checkpoint_roundtrip.py --quick"
+
+
+def test_training_loop_benchmark_quick_run(tmp_path) -> None:
+    result = _quick_run("training_loop.py", tmp_path, 600)
+    assert set(result["sweep_speedup"]) == {"64x32x32"}
+    assert set(result["model_h2048_speedup"]) == {"eager_1x32", "eager_4x32", "compiled_1x32"}
+    assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
+    assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
+    assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"

@@ -47,10 +47,20 @@ def test_custom_module_example_is_a_two_gemm_mixin(
     assert (tmp_path / "two_gemm.pt").is_file()
 
 
-CORE_MODULES = ["errors", "formats", "recipe", "slots", "scaling", "schema", "mixin"]
+DOCTESTED_MODULES = [
+    "errors",
+    "formats",
+    "recipe",
+    "slots",
+    "scaling",
+    "schema",
+    "mixin",
+    "integrations.forward",
+    "integrations.huggingface",
+]
 
 
-@pytest.mark.parametrize("name", CORE_MODULES)
+@pytest.mark.parametrize("name", DOCTESTED_MODULES)
 def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(f"fp8state.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)

@@ -1,0 +1,244 @@
+"""FP8 in the loops people run: Linear sweep, a 16-layer model eager/graphed/compiled, host time.
+
+Usage (on an H200; the recorded keys are in benchmarks/results/h200.json)::
+
+    python benchmarks/training_loop.py --out benchmarks/results/h200.json
+
+Every ratio is ``bf16 time / fp8state time`` for the same work in the same mode, measured in
+the same process (> 1: FP8 is faster):
+
+- ``sweep_speedup``: ``fp8state.Linear`` against ``nn.Linear``, fwd+bwd, at twelve shapes
+  ``MxKxN``, steady-state blocks of steps (:func:`hopper.steady_pair_ms`). The modules keep
+  their defaults, fallback included: what a user gets.
+- ``model_h2048_speedup``: 16 pre-LN layers of hidden 2048, ffn 8192, 16 heads, SDPA
+  attention; per layer ``LayerNormLinear`` (qkv), ``Linear`` (projection), ``LayerNormMLP``
+  against the same layers from ``torch.nn``; fwd+bwd of ``eager_1x2048``, ``eager_4x2048``
+  tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``) and
+  ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
+- ``host_overhead_ratio``: host time to queue one fwd+bwd of ``fp8state.Linear`` over that
+  of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for).
+- ``compile_graph_breaks`` / ``compile_recompiles``: dynamo's counts over 20 compiled steps
+  of the model (recompiles: graphs compiled after the first step).
+
+``--quick`` (tiny shapes, on CPU too) tests the script; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path when run as a script
+from torch import nn
+
+import fp8state
+
+SWEEP = [(m, k, k) for m in (2048, 4096, 8192) for k in (1024, 2048, 4096, 8192)]
+MODEL = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 16}
+HOST_SHAPE = (4096, 2048, 2048)
+COMPILED_STEPS = 20
+
+
+class Block(nn.Module):
+    """One pre-LN transformer layer, from fp8state's modules or from torch.nn's."""
+
+    def __init__(self, hidden: int, ffn: int, heads: int, fp8: bool, device: torch.device):
+        super().__init__()
+        self.heads = heads
+        kw = {"device": device, "dtype": torch.bfloat16}
+        if fp8:
+            pkw = {"device": device, "params_dtype": torch.bfloat16}
+            self.qkv: nn.Module = fp8state.LayerNormLinear(hidden, 3 * hidden, **pkw)
+            self.proj: nn.Module = fp8state.Linear(hidden, hidden, **pkw)
+            self.mlp: nn.Module = fp8state.LayerNormMLP(hidden, ffn, **pkw)
+        else:
+            self.qkv = nn.Sequential(
+                nn.LayerNorm(hidden, **kw), nn.Linear(hidden, 3 * hidden, **kw)
+            )
+            self.proj = nn.Linear(hidden, hidden, **kw)
+            self.mlp = nn.Sequential(
+                nn.LayerNorm(hidden, **kw),
+                nn.Linear(hidden, ffn, **kw),
+                nn.GELU(approximate="tanh"),
+                nn.Linear(ffn, hidden, **kw),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
+        return x + self.mlp(x)
+
+
+def build_model(fp8: bool, device: torch.device, **shape: int) -> nn.Module:
+    torch.manual_seed(0)
+    dims = {**MODEL, **shape}
+    blocks = [
+        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device)
+        for _ in range(dims["layers"])
+    ]
+    return nn.Sequential(*blocks)
+
+
+def make_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Callable:
+    """One fwd+bwd; gradients accumulate (no optimizer), the same for both models."""
+
+    def step() -> None:
+        if fp8:
+            with fp8state.fp8_autocast():
+                y = model(x)
+        else:
+            y = model(x)
+        y.backward(grad)
+
+    return step
+
+
+def graphed(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` captured whole in one CUDA graph (warm-up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _pair(fp8: Callable, bf16: Callable, device: torch.device, args) -> float:
+    bf16_ms, fp8_ms = steady_pair_ms(bf16, fp8, device, args.warmup, args.blocks)
+    return round(bf16_ms / fp8_ms, 3)
+
+
+def bench_sweep(device: torch.device, args) -> dict[str, float]:
+    result = {}
+    for m, k, n in args.sweep:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        fp8 = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device=device)
+        bf16 = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+        result[f"{m}x{k}x{n}"] = _pair(
+            make_step(fp8, x, grad, True), make_step(bf16, x, grad, False), device, args
+        )
+        del x, grad, fp8, bf16
+    return result
+
+
+def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dict]:
+    result: dict[str, float | str] = {}
+    counts: dict = {}
+    h = args.model.get("hidden", MODEL["hidden"])
+    for batch in (1, 4):
+        models = {fp8: build_model(fp8, device, **args.model) for fp8 in (True, False)}
+        x = torch.randn(batch, args.tokens, h, device=device, dtype=torch.bfloat16)
+        x.requires_grad_()
+        grad = torch.randn_like(x)
+        steps = {fp8: make_step(models[fp8], x, grad, fp8) for fp8 in (True, False)}
+        result[f"eager_{batch}x{args.tokens}"] = _pair(steps[True], steps[False], device, args)
+        if batch == 1:
+            counts = _other_modes(models, steps, x, grad, device, args, result)
+    return result, counts
+
+
+def _other_modes(models, steps, x, grad, device, args, result) -> dict:
+    """Graphed and compiled steps of one sequence; returns the compile counts."""
+    tag = f"1x{args.tokens}"
+    if device.type == "cuda":
+        result[f"graphed_{tag}"] = _guarded(
+            lambda: _pair(graphed(steps[True]), graphed(steps[False]), device, args)
+        )
+    compiled = {fp8: make_step(torch.compile(models[fp8]), x, grad, fp8) for fp8 in (True, False)}
+    counts = _guarded(lambda: compile_counts(compiled[True]))
+    result[f"compiled_{tag}"] = _guarded(
+        lambda: _pair(compiled[True], compiled[False], device, args)
+    )
+    return counts if isinstance(counts, dict) else {"compile_error": counts}
+
+
+def compile_counts(step: Callable[[], None]) -> dict[str, int]:
+    """Dynamo's graph breaks over 20 steps, and the frames it compiled after the first step.
+
+    Dynamo compiles a frame on a cache miss only, so every frame it converts after the first
+    step is a recompilation.
+    """
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    step()
+    first_step_frames = counters["frames"]["total"]
+    for _ in range(COMPILED_STEPS - 1):
+        step()
+    return {
+        "compile_graph_breaks": sum(counters["graph_break"].values()),
+        "compile_recompiles": counters["frames"]["total"] - first_step_frames,
+        "compile_first_step_frames": first_step_frames,
+    }
+
+
+def _guarded(fn: Callable):
+    try:
+        return fn()
+    except Exception as exc:  # a mode that fails is a result too
+        traceback.print_exc()
+        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def bench_host(device: torch.device, args) -> float | None:
+    if device.type != "cuda":
+        return None
+    from host_overhead import build, host_us
+
+    m, k, n = args.host_shape
+    return round(host_us(build(m, k, n, True)) / host_us(build(m, k, n, False)), 3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run every part and return (and print, and merge into ``--out``) the keys."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, to test the script")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["sweep", "model", "host"])
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.warmup, args.blocks = (1, 2) if args.quick else (5, 10)
+    args.sweep = [(64, 32, 32)] if args.quick else SWEEP
+    args.model = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
+    args.tokens = 32 if args.quick else 2048
+    args.host_shape = HOST_SHAPE
+    spin_up(device, 0.0 if args.quick else 2.0)
+    started = time.perf_counter()
+    result: dict = {}
+    if "sweep" not in args.skip:
+        result["sweep_speedup"] = bench_sweep(device, args)
+    if "model" not in args.skip:
+        result["model_h2048_speedup"], counts = bench_model(device, args)
+        result.update(counts)
+    if "host" not in args.skip:
+        result["host_overhead_ratio"] = bench_host(device, args)
+    result["training_loop_run"] = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        "seconds": round(time.perf_counter() - started, 1),
+        "command": "python benchmarks/training_loop.py" + (" --quick" if args.quick else ""),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out is not None:
+        recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+        recorded.update(result)
+        args.out.write_text(json.dumps(recorded, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
