@@ -13,12 +13,14 @@ the same process (> 1: FP8 is faster):
 - ``model_h2048_speedup``: 16 pre-LN layers of hidden 2048, ffn 8192, 16 heads, SDPA
   attention; per layer ``LayerNormLinear`` (qkv), ``Linear`` (projection), ``LayerNormMLP``
   against the same layers from ``torch.nn``; fwd+bwd of ``eager_1x2048``, ``eager_4x2048``
-  tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``) and
+  tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``),
+  ``graphed_layers_1x2048`` (each layer graphed by ``fp8state.make_graphed_callables``,
+  against ``torch.cuda.make_graphed_callables`` for bf16) and
   ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
 - ``host_overhead_ratio``: host time to queue one fwd+bwd of ``fp8state.Linear`` over that
   of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for).
 - ``compile_graph_breaks`` / ``compile_recompiles``: dynamo's counts over 20 compiled steps
-  of the model (recompiles: graphs compiled after the first step).
+  of the model (:func:`compile_counts` says what a recompilation is).
 
 ``--quick`` (tiny shapes, on CPU too) tests the script; its numbers mean nothing.
 """
@@ -157,6 +159,7 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
         result[f"graphed_{tag}"] = _guarded(
             lambda: _pair(graphed(steps[True]), graphed(steps[False]), device, args)
         )
+        result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))
     compiled = {fp8: make_step(torch.compile(models[fp8]), x, grad, fp8) for fp8 in (True, False)}
     counts = _guarded(lambda: compile_counts(compiled[True]))
     result[f"compiled_{tag}"] = _guarded(
@@ -165,23 +168,54 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     return counts if isinstance(counts, dict) else {"compile_error": counts}
 
 
-def compile_counts(step: Callable[[], None]) -> dict[str, int]:
-    """Dynamo's graph breaks over 20 steps, and the frames it compiled after the first step.
+def _graphed_layers(x: torch.Tensor, grad: torch.Tensor, device: torch.device, args) -> float:
+    """Each layer graphed on its own: fp8state.make_graphed_callables against torch's."""
+    steps = {}
+    for fp8 in (True, False):
+        model = build_model(fp8, device, **args.model)
+        samples, h = [], x.detach()
+        for block in model:
+            samples.append((h.clone().requires_grad_(),))
+            with torch.no_grad():
+                h = block(h)
+        make = fp8state.make_graphed_callables if fp8 else torch.cuda.make_graphed_callables
+        make(tuple(model), tuple(samples))
+        steps[fp8] = make_step(model, x, grad, fp8=False)  # the graphs hold their FP8 settings
+    return _pair(steps[True], steps[False], device, args)
 
-    Dynamo compiles a frame on a cache miss only, so every frame it converts after the first
-    step is a recompilation.
+
+def compile_counts(step: Callable[[], None]) -> dict[str, int]:
+    """Dynamo's graph breaks and recompilations over 20 compiled steps.
+
+    A recompilation is a compilation of a frame (one code object, as dynamo counts them) past
+    its first: dynamo's own per-frame count, ``convert_frame.FRAME_COMPILE_COUNTER``, a
+    private table read here because no public counter exists. Frames past the recompile
+    limit run eagerly and compile no more, so the first step's count matters as much as the
+    later steps'.
     """
+    from torch._dynamo import convert_frame
     from torch._dynamo.utils import counters
 
     counters.clear()
+    before = dict(convert_frame.FRAME_COMPILE_COUNTER)
+
+    def recompiles() -> int:
+        now = convert_frame.FRAME_COMPILE_COUNTER
+        return sum(
+            n - before.get(f, 0) - (0 if f in before else 1)
+            for f, n in now.items()
+            if n > before.get(f, 0)
+        )
+
     step()
-    first_step_frames = counters["frames"]["total"]
+    first = recompiles()
     for _ in range(COMPILED_STEPS - 1):
         step()
     return {
         "compile_graph_breaks": sum(counters["graph_break"].values()),
-        "compile_recompiles": counters["frames"]["total"] - first_step_frames,
-        "compile_first_step_frames": first_step_frames,
+        "compile_recompiles": recompiles(),
+        "compile_recompiles_after_first_step": recompiles() - first,
+        "compile_frames": counters["frames"]["total"],
     }
 
 

@@ -9,6 +9,7 @@ from fp8state.autocast import fp8_autocast, is_fp8_enabled
 from fp8state.convert import convert_model, plan_conversion
 from fp8state.formats import Format
 from fp8state.functional import activation_checkpoint
+from fp8state.graphs import make_graphed_callables
 from fp8state.integrations.forward import autocast_forward
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import Conv1D, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
@@ -31,6 +32,7 @@ __all__ = [
     "is_fp8_enabled",
     "autocast_forward",
     "activation_checkpoint",
+    "make_graphed_callables",
     "convert_model",
     "plan_conversion",
     "recalibrate",

@@ -38,7 +38,13 @@ if TYPE_CHECKING:
 
     from fp8state.mixin import FP8StateMixin
 
-__all__ = ["fp8_autocast", "FP8Context", "active_context", "is_fp8_enabled"]
+__all__ = [
+    "fp8_autocast",
+    "FP8Context",
+    "active_context",
+    "innermost_context",
+    "is_fp8_enabled",
+]
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,12 @@ def active_context() -> FP8Context | None:
     if stack and (stack[-1].enabled or stack[-1].calibrating):
         return stack[-1]
     return None
+
+
+def innermost_context() -> FP8Context | None:
+    """The innermost ``fp8_autocast``'s settings, whatever they enable; None outside any."""
+    stack = _THREAD.stack
+    return stack[-1] if stack else None
 
 
 def is_fp8_enabled() -> bool:

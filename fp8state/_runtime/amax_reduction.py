@@ -9,7 +9,9 @@ elsewhere module by module, with the same arithmetic (bit-identical results eith
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +27,7 @@ from fp8state.slots import Direction
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["PendingSteps", "reduce_and_update", "should_reduce"]
+__all__ = ["PendingSteps", "reduce_and_update", "should_reduce", "tables_kept"]
 
 _Key = tuple[DelayedScaling, "ProcessGroup | None", torch.device]
 
@@ -54,6 +56,28 @@ class PendingSteps:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.groups.values())
+
+
+# While above zero, no table is dropped from the cache (see tables_kept).
+_KEEPING = [0]
+
+
+@contextlib.contextmanager
+def tables_kept() -> Iterator[list[Any]]:
+    """Keep every pointer table made or used inside the block; yields them at its end.
+
+    CUDA graphs capture launches that read a table's device memory, and building a table
+    copies from the host, which a capture refuses: a capture of many modules must find, at
+    capture, every table its warm-up built, and must keep them alive as long as the graphs.
+    The list yielded is filled when the block ends.
+    """
+    kept: list[Any] = []
+    _KEEPING[0] += 1
+    try:
+        yield kept
+    finally:
+        _KEEPING[0] -= 1
+        kept.extend(_TABLES.values())
 
 
 def should_reduce(group: ProcessGroup | None) -> bool:
@@ -103,7 +127,7 @@ def _update_batched(
             recipe.amax_history_len,
         )
         _TABLES[key] = table
-        while len(_TABLES) > _TABLE_CACHE_SIZE:
+        while len(_TABLES) > _TABLE_CACHE_SIZE and not _KEEPING[0]:
             _TABLES.popitem(last=False)
     batched_update_scales_(
         table,

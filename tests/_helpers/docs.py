@@ -19,6 +19,7 @@ DOCS_WITH_CODE = [
     "docs/activation_checkpointing.md",
     "docs/lightning.md",
     "docs/huggingface.md",
+    "docs/graphs.md",
 ]
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

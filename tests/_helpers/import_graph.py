@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mixin", ("mixin", "autocast")),
     ("functional", ("functional",)),
     ("modules", ("modules",)),
-    ("model-level", ("convert", "recalibration", "checkpoint")),
+    ("model-level", ("convert", "recalibration", "checkpoint", "graphs")),
     ("migration", ("migrate",)),
     ("integrations", ("integrations",)),
     ("cli", ("cli",)),

@@ -4,7 +4,9 @@ A tiny ``transformers.LlamaForCausalLM`` (built from a config, nothing downloade
 with ``fp8state.convert_model`` trains a few steps under ``fp8_autocast`` with
 ``model.gradient_checkpointing_enable()`` (which runs ``torch.utils.checkpoint``, both ways)
 and with fp8state's drop-in as the checkpoint function: losses, input and weight gradients
-and every FP8 buffer match the same steps without checkpointing, bit for bit.
+and every FP8 buffer match the same steps without checkpointing, bit for bit. On the CPU
+(emulated GEMMs) and, where CUDA is present, in bf16 on the GPU (``torch._scaled_mm`` and the
+fused Triton casts on FP8-capable GPUs).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers.hf import tiny_fp8_llama
+from _helpers.hf import tiny_fp8_llama, tiny_llama_config, to_fp8
 from _helpers.state import assert_same
 
 import fp8state
+from fp8state.backends import resolve_backend
 from fp8state.functional import activation_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -27,8 +30,15 @@ STEPS = 3
 FIELDS = ("amax_history", "scale", "scale_inv")
 
 
-def _model() -> Any:
-    model = tiny_fp8_llama(seed=0)
+def _model(device: str) -> Any:
+    if device == "cpu":
+        model = tiny_fp8_llama(seed=0)
+    else:  # bf16 on the GPU, with eager attention: its backward is deterministic
+        torch.manual_seed(0)
+        config = tiny_llama_config()
+        config._attn_implementation = "eager"
+        hf = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+        model = to_fp8(hf.to(device))
     fp8_modules = [m for m in model.modules() if isinstance(m, fp8state.FP8StateMixin)]
     assert len(fp8_modules) == 15  # 7 projections per layer, and the head
     return model.train()
@@ -51,12 +61,13 @@ def _enable(model: Any, how: str) -> None:
         assert model.is_gradient_checkpointing
 
 
-def _train(how: str) -> list[dict[str, torch.Tensor]]:
-    model, seen = _model(), []
+def _train(how: str, device: str) -> list[dict[str, torch.Tensor]]:
+    model, seen = _model(device), []
     _enable(model, how)
+    backend = resolve_backend("auto", torch.device(device))
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
-        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        ids = torch.randint(0, 128, (2, 16), generator=gen).to(device)
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
         with fp8state.fp8_autocast():
             loss = model(inputs_embeds=embeds, labels=ids).loss
@@ -65,7 +76,7 @@ def _train(how: str) -> list[dict[str, torch.Tensor]]:
         step.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
         for name, module in model.named_modules():
             if isinstance(module, fp8state.FP8StateMixin):
-                assert module.fp8_last_gemm_backend == "emulated"
+                assert module.fp8_last_gemm_backend == backend
                 for d in ("fwd", "bwd"):
                     for field, t in zip(FIELDS, module.fp8_meta(d), strict=True):
                         step[f"{name}.{d}.{field}"] = t.clone()
@@ -79,10 +90,11 @@ def _train(how: str) -> list[dict[str, torch.Tensor]]:
 
 
 @functools.cache
-def _reference() -> list[dict[str, torch.Tensor]]:
-    return _train("none")
+def _reference(device: str) -> list[dict[str, torch.Tensor]]:
+    return _train("none", device)
 
 
 @pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "drop-in"])
-def test_gradient_checkpointing_trains_bit_identically(how: str) -> None:
-    assert_same(_reference(), _train(how))
+def test_gradient_checkpointing_trains_bit_identically(how: str, device: torch.device) -> None:
+    # On a GPU with FP8 tensor cores this is torch._scaled_mm and the fused Triton casts.
+    assert_same(_reference(device.type), _train(how, device.type))

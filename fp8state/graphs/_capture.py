@@ -1,0 +1,201 @@
+"""Warm-up and capture: each module's forward and backward as two CUDA graphs, FP8 step included.
+
+A forward runs under its own ``fp8_autocast``, whose exit updates the forward scales; the
+backward is one ``torch.autograd.grad`` pass, whose end updates the backward scales. Both
+happen inside the captures, so a replay is a whole FP8 step: casts, amax records, history
+shift, (reduction and) scale update. The warm-up steps that must precede a capture change the
+FP8 metadata; it is put back afterwards, so the first replay starts where the model was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fp8state import autocast
+from fp8state._runtime import amax_reduction
+from fp8state.mixin import FP8StateMixin
+from fp8state.schema import DirectionState
+from fp8state.slots import DIRECTIONS, Direction
+
+__all__ = ["Captured", "capture_all", "fp8_modules_of", "run_under"]
+
+
+@dataclass
+class Captured:
+    """One module's graphs and the static tensors they read and write."""
+
+    fwd_graph: torch.cuda.CUDAGraph
+    bwd_graph: torch.cuda.CUDAGraph
+    static_inputs: tuple[torch.Tensor, ...]
+    params: tuple[nn.Parameter, ...]
+    static_outputs: tuple[torch.Tensor, ...]
+    out_spec: Any
+    static_grad_outputs: tuple[torch.Tensor | None, ...]
+    static_grad_inputs: tuple[torch.Tensor | None, ...]
+
+
+def fp8_modules_of(module: nn.Module) -> list[FP8StateMixin]:
+    """The FP8 modules in ``module`` (itself included), in ``modules()`` order."""
+    return [m for m in module.modules() if isinstance(m, FP8StateMixin)]
+
+
+def run_under(ctx: autocast.FP8Context, call: Any) -> Any:
+    """``call()`` inside a new ``fp8_autocast`` with ``ctx``'s settings."""
+    with autocast.fp8_autocast(
+        enabled=ctx.enabled,
+        calibrating=ctx.calibrating,
+        fp8_recipe=ctx.recipe,
+        fp8_group=ctx.group,
+        gemm_backend=ctx.gemm_backend,
+    ):
+        return call()
+
+
+def _run(forward: Any, ctx: autocast.FP8Context, args: Sequence[torch.Tensor]) -> Any:
+    return run_under(ctx, lambda: forward(*args))
+
+
+def _surface(args: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """What a backward differentiates against: inputs, then parameters, that need gradients."""
+    return [t for t in (*args, *params) if t.requires_grad]
+
+
+def _backward(
+    outputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    surface: Sequence[torch.Tensor],
+    allow_unused: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    needing = [o for o in outputs if o.requires_grad]
+    if not needing or not surface:
+        return ()
+    return torch.autograd.grad(
+        needing, surface, grad_outputs, only_inputs=True, allow_unused=allow_unused
+    )
+
+
+Snapshot = list[tuple[FP8StateMixin, list[DirectionState], dict[Direction, bool]]]
+
+
+def _snapshot(modules: Sequence[FP8StateMixin]) -> Snapshot:
+    return [
+        (
+            m,
+            [DirectionState(*(t.clone() for t in m.fp8_meta(d))) for d in DIRECTIONS],
+            m._fp8_step_flags(),
+        )
+        for m in modules
+    ]
+
+
+@torch.no_grad()
+def _put_back(snapshot: Snapshot) -> None:
+    # Into the same tensors, never new ones: the graphs recorded their addresses.
+    for module, saved, flags in snapshot:
+        live = [t for d in DIRECTIONS for t in module.fp8_meta(d)]
+        torch._foreach_copy_(live, [t for state in saved for t in state])
+        module._fp8_set_step_flags(flags)
+        module._fp8_touch()
+
+
+def capture_all(
+    forwards: Sequence[Any],
+    modules: Sequence[nn.Module],
+    sample_args: Sequence[tuple[torch.Tensor, ...]],
+    ctx: autocast.FP8Context,
+    warmup: int,
+    allow_unused: bool,
+    pool: Any,
+) -> tuple[list[Captured], list[Any]]:
+    """Warm up, capture every forward in order and every backward in reverse, restore FP8 state.
+
+    Returns the captures and the pointer tables of the batched scale update that the graphs
+    may read (the caller keeps them alive: the cache that made them may drop them later).
+    """
+    fp8 = [m for module in modules for m in fp8_modules_of(module)]
+    saved = _snapshot(fp8)
+    params = [tuple(m.parameters()) for m in modules]
+    with amax_reduction.tables_kept() as tables:
+        _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
+        captured = _capture(forwards, sample_args, params, ctx, allow_unused, pool)
+    _put_back(saved)
+    return captured, tables
+
+
+_Args = Sequence[tuple[torch.Tensor, ...]]
+_Params = Sequence[tuple[nn.Parameter, ...]]
+
+
+def _warm_up(
+    forwards: Sequence[Any],
+    sample_args: _Args,
+    params: _Params,
+    ctx: autocast.FP8Context,
+    warmup: int,
+    allow_unused: bool,
+) -> None:
+    """Eager steps on a side stream: kernels compiled, workspaces and pointer tables made."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for forward, args, ps in zip(forwards, sample_args, params, strict=True):
+            for _ in range(warmup):
+                outs = pytree.tree_leaves(_run(forward, ctx, args))
+                zeros = [torch.zeros_like(o) for o in outs if o.requires_grad]
+                _backward(outs, zeros, _surface(args, ps), allow_unused)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _capture(
+    forwards: Sequence[Any],
+    sample_args: _Args,
+    params: _Params,
+    ctx: autocast.FP8Context,
+    allow_unused: bool,
+    pool: Any,
+) -> list[Captured]:
+    """Forwards in order, then backwards in reverse: the order they run in, in one pool."""
+    fwd_graphs = [torch.cuda.CUDAGraph() for _ in forwards]
+    bwd_graphs = [torch.cuda.CUDAGraph() for _ in forwards]
+    outputs, specs = [], []
+    for forward, args, graph in zip(forwards, sample_args, fwd_graphs, strict=True):
+        with torch.cuda.graph(graph, pool=pool):
+            out = _run(forward, ctx, args)
+        flat, spec = pytree.tree_flatten(out)
+        outputs.append(tuple(flat))
+        specs.append(spec)
+    captured: list[Captured] = []
+    for i in reversed(range(len(forwards))):
+        static_grads = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs[i])
+        surface = _surface(sample_args[i], params[i])
+        with torch.cuda.graph(bwd_graphs[i], pool=pool):
+            grads = _backward(
+                outputs[i], [g for g in static_grads if g is not None], surface, allow_unused
+            )
+        found = iter(grads)  # aligned with surface: the inputs that need gradients
+        per_input = tuple(
+            next(found, None) if t.requires_grad else None for t in (*sample_args[i], *params[i])
+        )
+        captured.append(
+            Captured(
+                fwd_graphs[i],
+                bwd_graphs[i],
+                sample_args[i],
+                params[i],
+                outputs[i],
+                specs[i],
+                static_grads,
+                per_input,
+            )
+        )
+    captured.reverse()
+    torch.cuda.synchronize()
+    return captured

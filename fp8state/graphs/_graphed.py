@@ -1,0 +1,97 @@
+"""A captured module as an autograd node: replay the forward graph, then the backward graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fp8state import autocast
+from fp8state.errors import ConfigError
+from fp8state.graphs._capture import Captured, run_under
+from fp8state.graphs._checks import ArgSpec, FP8Buffers, check_args, check_context
+from fp8state.mixin import FP8StateMixin
+
+__all__ = ["GraphedForward"]
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, graphed: GraphedForward, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        cap = graphed.captured
+        for static, given in zip(cap.static_inputs, inputs, strict=False):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        cap.fwd_graph.replay()
+        graphed.touch()
+        ctx.graphed = graphed
+        return tuple(o.detach() for o in cap.static_outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        graphed: GraphedForward = ctx.graphed
+        cap = graphed.captured
+        for static, grad in zip(cap.static_grad_outputs, grads, strict=True):
+            if static is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        cap.bwd_graph.replay()
+        graphed.touch()
+        return (None, *(g.detach() if g is not None else None for g in cap.static_grad_inputs))
+
+
+class GraphedForward:
+    """The forward that replaces a captured module's own while it is in the captured mode.
+
+    In the training mode it was captured in (and with gradients enabled), each call checks its
+    arguments and settings, then replays; otherwise it calls the module's original forward,
+    which computes the same eagerly (evaluation, inference under ``torch.no_grad()``).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        original: Any,
+        captured: Captured,
+        ctx: autocast.FP8Context,
+        fp8_modules: list[FP8StateMixin],
+        keep_alive: list[Any],
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.original = original
+        self.captured = captured
+        self.ctx = ctx
+        self.training = module.training
+        self.spec = ArgSpec.of(captured.static_inputs)
+        self.fp8_modules = fp8_modules
+        self.buffers = FP8Buffers(module, fp8_modules)
+        self.keep_alive = keep_alive  # pointer tables the graphs read
+
+    def touch(self) -> None:
+        """Tell each FP8 module its metadata changed: a replay runs no Python code of theirs."""
+        for module in self.fp8_modules:
+            module._fp8_touch()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.module.training != self.training or not torch.is_grad_enabled():
+            if autocast.innermost_context() is not None:  # the caller chose the FP8 settings
+                return self.original(*args, **kwargs)
+            return run_under(self.ctx, lambda: self.original(*args, **kwargs))
+        if kwargs:
+            raise ConfigError(
+                f"graphed callable {self.index}",
+                f"keyword arguments {sorted(kwargs)}",
+                "positional tensors only, as in its sample_args",
+                "Pass the arguments positionally, in the order they were captured.",
+            )
+        check_args(self.spec, args, self.index)
+        check_context(self.ctx, self.index)
+        self.buffers.check(self.index)
+        out = _Replay.apply(self, *args, *self.captured.params)
+        return pytree.tree_unflatten(list(out), self.captured.out_spec)

@@ -1,0 +1,193 @@
+"""fp8state.make_graphed_callables on a GPU: replays equal eager FP8 steps, bit for bit.
+
+Each case graphs a module (or a chain of modules sharing one pool) and runs a twin with the
+same parameters and metadata eagerly under ``fp8_autocast``; both take the same steps (new
+inputs, an in-place SGD update), and outputs, gradients, every FP8 buffer and the state dicts
+must agree after every step, also across a checkpoint saved and loaded between replays. What a
+graph cannot follow (shapes, replaced tensors, other FP8 settings) raises. Skipped without
+CUDA.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import fp8state
+from fp8state.errors import ConfigError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+H, TOKENS, STEPS = 256, 128, 6
+KW = {"params_dtype": torch.bfloat16, "device": CUDA}
+
+BUILD: dict[str, Callable[[], nn.Module]] = {
+    "Linear": lambda: fp8state.Linear(H, H, **KW),
+    "LayerNormLinear": lambda: fp8state.LayerNormLinear(H, H, **KW),
+    "LayerNormMLP": lambda: fp8state.LayerNormMLP(H, 2 * H, **KW),
+    "RMSNorm-swiglu-MLP": lambda: fp8state.LayerNormMLP(
+        H, 2 * H, normalization="RMSNorm", activation="swiglu", **KW
+    ),
+}
+
+
+def _pair(build: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    graphed, eager = build(), build()
+    for module in (*graphed.modules(), *eager.modules()):
+        if isinstance(module, fp8state.FP8StateMixin):
+            module.fp8_min_gemm_macs = 0  # FP8 at this size too
+    eager.load_state_dict(graphed.state_dict())
+    return graphed, eager
+
+
+def _input(step: int) -> torch.Tensor:
+    gen = torch.Generator(device=CUDA).manual_seed(step)
+    x = torch.randn(TOKENS, H, generator=gen, device=CUDA) * (step + 1)
+    return x.to(torch.bfloat16).requires_grad_()
+
+
+def _step(model: nn.Module, x: torch.Tensor, eager: bool) -> dict[str, torch.Tensor]:
+    if eager:
+        with fp8state.fp8_autocast():
+            y = model(x)
+    else:
+        y = model(x)
+    y.float().pow(2).mean().backward()
+    seen = {"y": y.detach().clone(), "x.grad": x.grad.clone()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            seen[f"{name}.grad"] = p.grad.clone()
+            p -= 0.01 * p.grad
+            p.grad = None
+    for name, b in model.named_buffers():
+        seen[name] = b.clone()
+    return seen
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], step: int) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), (step, key)
+
+
+def _assert_state_dicts_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key].cpu(), sb[key].cpu()), key
+
+
+@pytest.mark.parametrize("kind", sorted(BUILD))
+def test_replays_equal_eager_steps_bit_for_bit(kind: str) -> None:
+    graphed, eager = _pair(BUILD[kind])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    # The warm-up steps left no trace: both start from the same metadata.
+    _assert_state_dicts_equal(graphed, eager)
+    for step in range(STEPS):
+        _assert_equal(_step(graphed, _input(step), False), _step(eager, _input(step), True), step)
+        _assert_state_dicts_equal(graphed, eager)  # state_dict sees what the replays wrote
+    fp8 = [m for m in graphed.modules() if isinstance(m, fp8state.FP8StateMixin)]
+    # Every replay recorded: the input and weight slots of the first GEMM hold amaxes.
+    assert fp8 and fp8[0].fp8_meta("fwd").amax_history[:STEPS, :2].gt(0).all()
+
+
+def test_a_chain_of_modules_shares_a_pool_and_equals_eager() -> None:
+    # Nine blocks of two FP8 modules: each block's scale updates run batched, through pointer
+    # tables (18, more than the eager cache keeps), all made in warm-up and kept by the graphs.
+    def block() -> nn.Sequential:
+        return nn.Sequential(
+            fp8state.LayerNormLinear(H, H, **KW), fp8state.LayerNormMLP(H, 2 * H, **KW)
+        )
+
+    def chain() -> nn.Sequential:
+        return nn.Sequential(*(block() for _ in range(9)))
+
+    graphed, eager = _pair(chain)
+    samples = []
+    x = _input(100)
+    for layer in graphed:
+        samples.append((x,))
+        x = layer(x).detach().requires_grad_()
+    fp8state.make_graphed_callables(tuple(graphed), tuple(samples))
+    for step in range(STEPS):
+        _assert_equal(_step(graphed, _input(step), False), _step(eager, _input(step), True), step)
+
+
+def test_a_checkpoint_saved_and_loaded_between_replays() -> None:
+    graphed, eager = _pair(BUILD["LayerNormMLP"])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    for step in range(3):
+        _assert_equal(_step(graphed, _input(step), False), _step(eager, _input(step), True), step)
+    buffer = io.BytesIO()
+    torch.save(graphed.state_dict(), buffer)
+    for step in range(3, 5):  # both move on, then both go back to the checkpoint
+        _step(graphed, _input(step), False)
+        _step(eager, _input(step), True)
+    for model in (graphed, eager):
+        buffer.seek(0)
+        model.load_state_dict(torch.load(buffer, weights_only=True))
+    for step in range(3, 7):
+        _assert_equal(_step(graphed, _input(step), False), _step(eager, _input(step), True), step)
+
+
+def test_eval_mode_runs_eagerly_under_the_graphs_settings() -> None:
+    graphed, eager = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    graphed.eval()
+    eager.eval()
+    x = _input(1).detach()
+    with torch.no_grad(), fp8state.fp8_autocast():
+        want = eager(x)
+    with torch.no_grad():
+        assert torch.equal(graphed(x), want)
+    _assert_state_dicts_equal(graphed, eager)
+
+
+def test_fp8_disabled_graphs_compute_in_high_precision() -> None:
+    graphed, eager = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(graphed, (_input(100),), fp8_enabled=False)
+    x, x_eager = _input(1), _input(1)
+    y = graphed(x)
+    with fp8state.fp8_autocast(enabled=False):
+        y_eager = eager(x_eager)
+    assert torch.equal(y, y_eager)
+
+
+def test_what_a_graph_cannot_follow_raises() -> None:
+    graphed, _ = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    with pytest.raises(ConfigError, match="argument 0"):
+        graphed(torch.randn(2 * TOKENS, H, device=CUDA, dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match="keyword"):
+        graphed(x=_input(0))
+    with pytest.raises(ConfigError, match="fp8_autocast"):
+        with fp8state.fp8_autocast(enabled=False):
+            graphed(_input(0))
+    graphed(_input(0))  # still fine
+    with fp8state.fp8_autocast():  # the graph's own settings: fine too
+        graphed(_input(0))
+    rows = graphed.fp8_meta("fwd").amax_history.shape[0]
+    with pytest.warns(UserWarning, match="grow"):
+        graphed.fp8_recipe = fp8state.DelayedScaling(amax_history_len=rows + 1)
+    with pytest.raises(ConfigError, match="FP8 buffers replaced"):
+        graphed(_input(0))
+    other, _ = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(other, (_input(100),))
+    other.weight = nn.Parameter(other.weight.detach().clone())
+    with pytest.raises(ConfigError, match="parameters replaced"):
+        other(_input(0))
+
+
+def test_capture_inside_fp8_autocast_is_refused() -> None:
+    graphed, _ = _pair(BUILD["Linear"])
+    with fp8state.fp8_autocast(), pytest.raises(ConfigError, match="inside fp8_autocast"):
+        fp8state.make_graphed_callables(graphed, (_input(100),))

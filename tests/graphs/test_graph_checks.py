@@ -1,0 +1,169 @@
+"""make_graphed_callables' checks, on the CPU: what is refused before capture, and what a
+replay would get wrong (shapes, replaced tensors, other FP8 settings) caught before replaying.
+The captures and replays themselves run in tests/gpu/test_make_graphed_callables.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8state
+from fp8state.autocast import FP8Context
+from fp8state.errors import ConfigError
+from fp8state.graphs._capture import Captured
+from fp8state.graphs._checks import ArgSpec, FP8Buffers, check_args, check_callables, check_context
+from fp8state.graphs._graphed import GraphedForward
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+
+
+def _ctx(**kwargs) -> FP8Context:
+    fields = {
+        "enabled": True,
+        "calibrating": False,
+        "recipe": fp8state.DelayedScaling(),
+        "group": None,
+        "gemm_backend": "auto",
+    }
+    return FP8Context(**{**fields, **kwargs})
+
+
+def test_only_modules_with_tensor_arguments_and_no_hooks_are_taken() -> None:
+    layer = fp8state.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with pytest.raises(ConfigError, match="callable 0.*function.*nn.Module"):
+        check_callables((lambda t: t,), ((x,),))
+    with pytest.raises(ConfigError, match="a tuple of tensors"):
+        check_callables((layer,), ([x],))
+    with pytest.raises(ConfigError, match="a tuple of tensors"):
+        check_callables((layer,), ((x, 3),))
+    with pytest.raises(ConfigError, match="2 argument tuples for 1 callables"):
+        check_callables((layer,), ((x,), (x,)))
+    hooked = fp8state.Linear(16, 16)
+    hooked.register_forward_hook(lambda *a: None)
+    with pytest.raises(ConfigError, match="hooks"):
+        check_callables((hooked,), ((x,),))
+
+
+@CPU_ONLY
+def test_without_cuda_it_says_so_and_captures_nothing() -> None:
+    layer = fp8state.Linear(16, 16)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        fp8state.make_graphed_callables(layer, (torch.randn(4, 16),))
+    assert "forward" not in layer.__dict__
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
+def test_bad_fp8_settings_are_refused_first() -> None:
+    layer = fp8state.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with pytest.raises(ConfigError, match="gemm_backend"):
+        fp8state.make_graphed_callables(layer, (x,), gemm_backend="fast")
+    with pytest.raises(ConfigError, match="fp8_recipe"):
+        fp8state.make_graphed_callables(layer, (x,), fp8_recipe="E4M3")
+    assert "forward" not in layer.__dict__
+
+
+def test_sample_arguments_must_be_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past the CUDA check, as on a GPU machine: CPU sample arguments are refused next.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    layer = fp8state.Linear(16, 16)
+    with pytest.raises(ConfigError, match=r"sample_args\[0\].*a tensor on cpu"):
+        fp8state.make_graphed_callables(layer, (torch.randn(4, 16),))
+
+
+def test_replay_arguments_must_match_the_capture() -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    spec = ArgSpec.of((x,))
+    check_args(spec, (torch.randn(4, 16).requires_grad_(),), 0)
+    with pytest.raises(ConfigError, match=r"argument 0.*shape \(8, 16\)"):
+        check_args(spec, (torch.randn(8, 16).requires_grad_(),), 0)
+    with pytest.raises(ConfigError, match="torch.float64"):
+        check_args(spec, (torch.randn(4, 16, dtype=torch.float64).requires_grad_(),), 0)
+    with pytest.raises(ConfigError, match="requires_grad=False"):
+        check_args(spec, (torch.randn(4, 16),), 0)
+    with pytest.raises(ConfigError, match="2 arguments"):
+        check_args(spec, (x, x), 0)
+    with pytest.raises(ConfigError, match="argument 0.*int"):
+        check_args(spec, (3,), 0)
+
+
+def test_replaced_parameters_and_buffers_are_caught_in_place_loads_are_not() -> None:
+    layer = fp8state.Linear(16, 16)
+    watch = FP8Buffers(layer, [layer])
+    watch.check(0)
+    layer.load_state_dict(fp8state.Linear(16, 16).state_dict())  # copies into the same tensors
+    watch.check(0)
+    with pytest.warns(UserWarning, match="grow"):
+        layer.fp8_recipe = fp8state.DelayedScaling(amax_history_len=2048)
+    with pytest.raises(ConfigError, match="FP8 buffers replaced"):
+        watch.check(0)
+    other = fp8state.Linear(16, 16)
+    watch = FP8Buffers(other, [other])
+    other.weight.data = other.weight.data.clone()  # what .to() does to a parameter
+    with pytest.raises(ConfigError, match="parameters replaced"):
+        watch.check(0)
+
+
+def test_an_unrelated_buffer_replacement_elsewhere_is_not_an_error() -> None:
+    layer = fp8state.Linear(16, 16)
+    watch = FP8Buffers(layer, [layer])
+    fp8state.Linear(16, 16)  # a new module bumps the process-wide replacement count
+    watch.check(0)
+    assert watch.generation > 0
+
+
+def test_an_enclosing_autocast_must_ask_for_the_graphs_settings() -> None:
+    captured = _ctx()
+    check_context(captured, 0)  # none
+    with fp8state.fp8_autocast():
+        check_context(captured, 0)  # the same settings
+    with fp8state.fp8_autocast(enabled=False), pytest.raises(ConfigError, match="enabled=False"):
+        check_context(captured, 0)
+    recipe = fp8state.DelayedScaling(margin=1)
+    with fp8state.fp8_autocast(fp8_recipe=recipe), pytest.raises(ConfigError, match="margin=1"):
+        check_context(captured, 0)
+
+
+def _graphed_forward(layer: fp8state.Linear, x: torch.Tensor, **ctx) -> GraphedForward:
+    # No graph is replayed on these paths, so none is needed (a CPU cannot capture one).
+    captured = Captured(None, None, (x,), tuple(layer.parameters()), (), None, (), ())  # type: ignore[arg-type]
+    return GraphedForward(0, layer, layer.forward, captured, _ctx(**ctx), [layer], [])
+
+
+def test_outside_the_captured_mode_the_forward_runs_eagerly_under_the_graphs_settings() -> None:
+    layer, twin = fp8state.Linear(16, 16), fp8state.Linear(16, 16)
+    for m in (layer, twin):
+        m.fp8_min_gemm_macs = 0
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 16)
+    graphed = _graphed_forward(layer, x, gemm_backend="emulated")
+    with torch.no_grad():  # gradients off: no replay, the eager forward in FP8
+        y = graphed(x)
+        with fp8state.fp8_autocast(gemm_backend="emulated"):
+            assert torch.equal(y, twin(x))
+        with fp8state.fp8_autocast(enabled=False):  # the caller's settings win
+            assert torch.equal(graphed(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert layer.fp8_last_gemm_backend == "emulated"
+    assert torch.equal(layer.fp8_meta("fwd").scale, twin.fp8_meta("fwd").scale)
+    layer.eval()  # another training mode than captured: eager, with gradients too
+    y = graphed(x)
+    with fp8state.fp8_autocast(gemm_backend="emulated"):
+        assert torch.equal(y, twin(x))
+    assert y.requires_grad
+
+
+def test_in_the_captured_mode_wrong_calls_raise_before_any_replay() -> None:
+    layer = fp8state.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    graphed = _graphed_forward(layer, x)
+    with pytest.raises(ConfigError, match="keyword arguments"):
+        graphed(inp=x)
+    with pytest.raises(ConfigError, match="argument 0"):
+        graphed(torch.randn(4, 16))
+    with fp8state.fp8_autocast(enabled=False), pytest.raises(ConfigError, match="enabled=False"):
+        graphed(x)
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    with pytest.raises(ConfigError, match="parameters replaced"):
+        graphed(x)
