@@ -18,7 +18,8 @@ the same process (> 1: FP8 is faster):
   against ``torch.cuda.make_graphed_callables`` for bf16) and
   ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
 - ``host_overhead_ratio``: host time to queue one fwd+bwd of ``fp8state.Linear`` over that
-  of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for).
+  of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for); ``host_floor_ratio``: the
+  same for the least any eager FP8 Linear step can launch (``benchmarks/host_floor.py``).
 - ``compile_graph_breaks`` / ``compile_recompiles``: dynamo's counts over 20 compiled steps
   of the model (:func:`compile_counts` says what a recompilation is).
 
@@ -227,13 +228,19 @@ def _guarded(fn: Callable):
         return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
-def bench_host(device: torch.device, args) -> float | None:
+def bench_host(device: torch.device, args) -> dict[str, float | None]:
+    """Host time per FP8 Linear step over nn.Linear's: fp8state's, and the floor's."""
     if device.type != "cuda":
-        return None
+        return {"host_overhead_ratio": None, "host_floor_ratio": None}
+    from host_floor import floor_step
     from host_overhead import build, host_us
 
     m, k, n = args.host_shape
-    return round(host_us(build(m, k, n, True)) / host_us(build(m, k, n, False)), 3)
+    bf16_us = host_us(build(m, k, n, False))
+    return {
+        "host_overhead_ratio": round(host_us(build(m, k, n, True)) / bf16_us, 3),
+        "host_floor_ratio": round(host_us(floor_step(m, k, n)) / bf16_us, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["model_h2048_speedup"], counts = bench_model(device, args)
         result.update(counts)
     if "host" not in args.skip:
-        result["host_overhead_ratio"] = bench_host(device, args)
+        result.update(bench_host(device, args))
     result["training_loop_run"] = {
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
