@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from fp8state._version import __version__
+from fp8state.cli._terminal import say
 from fp8state.errors import FP8StateError
 
 __all__ = ["main"]
@@ -49,7 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(modules[args.command].run(args))
     except FP8StateError as err:
-        print(f"fp8state {args.command}: error: {err}", file=sys.stderr)
+        # One line whatever the error holds: its fields, not str(err), which may list
+        # problems on lines of their own (StateDictError); escaped like all output.
+        line = f"{err.key}: found {err.found}; expected {err.expected}. {err.fix}"
+        say(f"fp8state {args.command}: error: {line}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
     except BrokenPipeError:
         # `fp8state inspect ... | head`: the reader left; stop quietly, as Unix tools do.
@@ -57,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except OSError as err:  # permissions, full disk ...: one line, no traceback
-        print(f"fp8state {args.command}: error: {_os_error_line(err)}", file=sys.stderr)
+        say(f"fp8state {args.command}: error: {_os_error_line(err)}", file=sys.stderr)
         return EXIT_FP8STATE_ERROR
 
 

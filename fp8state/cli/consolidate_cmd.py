@@ -6,6 +6,7 @@ import argparse
 
 from fp8state.checkpoint.consolidation import consolidate
 from fp8state.cli._paths import existing_dcp_folder, new_file
+from fp8state.cli._terminal import say
 
 NAME = "consolidate"
 HELP = (
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     existing_dcp_folder(args.dir)
     new_file(args.out, overwrite=args.overwrite)  # the library's own message names overwrite=
     result = consolidate(args.dir, args.out, overwrite=args.overwrite)
-    print(
+    say(
         f"wrote {result.path}: {result.num_tensors} tensors, "
         f"{result.num_bytes / 2**20:.2f} MiB, {len(result.fp8_modules)} FP8 module(s) validated"
     )

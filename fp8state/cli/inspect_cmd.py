@@ -18,6 +18,7 @@ import torch
 from fp8state.checkpoint.plain_safetensors import read_fp8_metadata_file
 from fp8state.checkpoint.safetensors_files import holds_fp8_metadata, read_header
 from fp8state.cli._paths import existing_path
+from fp8state.cli._terminal import say
 from fp8state.errors import CheckpointError
 from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
 
@@ -45,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     existing_path(args.path, "a torch.save file, a DCP folder or an FP8 metadata .safetensors file")
     summary = _summarize(args.path)
     if args.json:
-        print(json.dumps(summary.to_dict(), indent=2))
+        print(json.dumps(summary.to_dict(), indent=2))  # escapes control characters itself
     else:
-        print(summary.format_table())
+        say(*summary.table_lines())
     return 0
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from tqdm import tqdm
 
 from fp8state.cli._paths import existing_file, new_file, refuse_existing
+from fp8state.cli._terminal import say
 from fp8state.errors import CheckpointError
 from fp8state.migrate.te_checkpoint import migrate_te_checkpoint
 from fp8state.migrate.writer import save_atomically
@@ -77,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
     checkpoint, report = migrate_te_checkpoint(
         args.src, strict=not args.lenient, progress=_progress
     )
-    print(report.format_text())
+    say(*report.text_lines())
     if args.dry_run:
         refused = dst_exists and not args.overwrite
         note = " (it exists: without --overwrite, migrate would refuse it)" if refused else ""
-        print(f"dry run: {args.dst} not written{note}")
+        say(f"dry run: {args.dst} not written{note}")
         return 0
     try:
         save_atomically(checkpoint, args.dst, overwrite=args.overwrite)
@@ -94,5 +95,5 @@ def run(args: argparse.Namespace) -> int:
             "a writable file path",
             "Check the path, its permissions and the free space; nothing was written.",
         ) from None
-    print(f"wrote {args.dst}")
+    say(f"wrote {args.dst}")
     return 0

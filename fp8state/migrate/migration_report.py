@@ -152,9 +152,12 @@ class MigrationReport:
 
     def format_text(self) -> str:
         """The report as text: one line per entry, then the summary."""
+        return "\n".join(self.text_lines())
+
+    def text_lines(self) -> list[str]:
+        """:meth:`format_text`'s lines, one string each (a key may hold a newline itself)."""
         where = ", ".join(repr(s) if s else "top level" for s in self.state_dicts)
-        lines = [f"state dicts: {where}"] + [e.line() for e in self.entries] + [self.summary()]
-        return "\n".join(lines)
+        return [f"state dicts: {where}"] + [e.line() for e in self.entries] + [self.summary()]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""

@@ -161,6 +161,10 @@ class CheckpointSummary:
 
     def format_table(self) -> str:
         """A fixed-width table, the legend of its eras, then a line about entries without state."""
+        return "\n".join(self.table_lines())
+
+    def table_lines(self) -> list[str]:
+        """:meth:`format_table`'s lines, one string each (a key may hold a newline itself)."""
         table = [_HEADER] + [row.cells() for row in self.rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(_HEADER))]
         lines = [
@@ -175,7 +179,7 @@ class CheckpointSummary:
         if self.without_state:
             names = ", ".join(e.key for e in self.without_state)
             lines.append(f"{len(self.without_state)} extra state(s) without FP8 state: {names}")
-        return "\n".join(lines)
+        return lines
 
 
 def _row(entry: rpt.EntryReport) -> ModuleRow:
