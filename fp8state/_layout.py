@@ -51,6 +51,19 @@ class DirectionState(NamedTuple):
     scale: torch.Tensor
     scale_inv: torch.Tensor
 
+    @classmethod
+    def fresh(cls, rows: int, slots: int, device: torch.device | str = "cpu") -> DirectionState:
+        """A direction that never ran: zero history, scales and inverse scales of 1.
+
+        float32 on ``device`` whatever the caller's default dtype or device context.
+        """
+        f32 = torch.float32
+        return cls(
+            torch.zeros(rows, slots, dtype=f32, device=device),
+            torch.ones(slots, dtype=f32, device=device),
+            torch.ones(slots, dtype=f32, device=device),
+        )
+
 
 #: The tensors of one direction, in buffer and payload order.
 TENSOR_FIELDS: tuple[str, ...] = DirectionState._fields

@@ -216,8 +216,7 @@ def default_payload(
     recipe = recipe or DelayedScaling(amax_history_len=min(DEFAULT_HISTORY_ROWS, rows))
 
     def direction(d: Direction) -> DirectionState:
-        n = num_gemms * slots_per_gemm(d)
-        return DirectionState(torch.zeros(rows, n), torch.ones(n), torch.ones(n))
+        return DirectionState.fresh(rows, num_gemms * slots_per_gemm(d))
 
     return pack(FP8State(direction("fwd"), direction("bwd"), recipe))
 

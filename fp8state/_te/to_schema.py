@@ -57,11 +57,15 @@ class Converted:
     notes: tuple[str, ...]
 
 
-def history_order(rows: int, update_at_end: bool) -> torch.Tensor:
-    """Row indices into TE's history, most recent step first (rule 3)."""
+def history_order(rows: int, update_at_end: bool, device: torch.device) -> torch.Tensor:
+    """Row indices into TE's history, most recent step first (rule 3).
+
+    Every tensor made while decoding names its dtype and device: a caller's
+    ``torch.device("meta")`` context or ``torch.set_default_dtype`` must not change the result.
+    """
     if update_at_end:
-        return torch.arange(rows - 1, -1, -1)
-    return torch.tensor([0, *range(rows - 1, 0, -1)], dtype=torch.long)
+        return torch.arange(rows - 1, -1, -1, dtype=torch.long, device=device)
+    return torch.tensor([0, *range(rows - 1, 0, -1)], dtype=torch.long, device=device)
 
 
 def old_slot_columns(direction: Direction, num_gemms: int) -> list[int]:
@@ -72,7 +76,8 @@ def old_slot_columns(direction: Direction, num_gemms: int) -> list[int]:
 
 
 def _direction(st: TEState, d: Direction) -> DirectionState:
-    order = history_order(st.rows, st.era.update_at_end)
+    device = st.amax_history[d].device
+    order = history_order(st.rows, st.era.update_at_end, device)
     history = st.amax_history[d].index_select(0, order)
     scale = st.scale[d]
     inv = st.scale_inv[d]
@@ -80,8 +85,8 @@ def _direction(st: TEState, d: Direction) -> DirectionState:
     if not st.era.old_slot_layout:
         return DirectionState(history, scale, scale_inv)  # pack() copies
     n = st.num_gemms * slots_per_gemm(d)
-    cols = torch.tensor(old_slot_columns(d, st.num_gemms), dtype=torch.long)
-    full = DirectionState(torch.zeros(st.rows, n), torch.ones(n), torch.ones(n))
+    cols = torch.tensor(old_slot_columns(d, st.num_gemms), dtype=torch.long, device=device)
+    full = DirectionState.fresh(st.rows, n, device)
     full.amax_history[:, cols] = history
     full.scale[cols] = scale
     full.scale_inv[cols] = scale_inv
