@@ -101,7 +101,25 @@ def _torch_allowed() -> dict[tuple[str, str], Any]:
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             allowed[("torch", name)] = value
+    # The storage marker torch.save writes for dtypes without a legacy storage class (float8,
+    # uint16 ...): torch.load compares it by identity. A marker only, never called
+    # (_MARKERS): calling it would allocate whatever size the file asks for.
+    allowed[("torch.storage", "UntypedStorage")] = torch.UntypedStorage
     return allowed
+
+
+# Classes a pickle may name but never call or instantiate (REDUCE, NEWOBJ, OBJ, INST).
+_MARKERS: tuple[type, ...] = (torch.UntypedStorage,)
+
+
+def _refuse_call(target: object) -> None:
+    if isinstance(target, type) and issubclass(target, _MARKERS):
+        raise LegacyFormatError(
+            "",
+            f"a pickle calling {target.__module__}.{target.__name__}",
+            "that class named only as a storage type, as torch.save writes it",
+            "The checkpoint is corrupt or was crafted; nothing was executed.",
+        )
 
 
 #: Every global a pickle may name, as ``(module, name) -> object``. Storage classes
@@ -175,6 +193,27 @@ class Unpickler(_PyUnpickler):
         _setstate_checked(self.stack[-1], state)
 
     dispatch[pickle.BUILD[0]] = _load_build
+
+    # Every opcode that calls or instantiates what find_class returned checks it first.
+    def _load_reduce(self) -> None:
+        _refuse_call(self.stack[-2])
+        _PyUnpickler.load_reduce(self)
+
+    def _load_newobj(self) -> None:
+        _refuse_call(self.stack[-2])
+        _PyUnpickler.load_newobj(self)
+
+    def _load_newobj_ex(self) -> None:
+        _refuse_call(self.stack[-3])
+        _PyUnpickler.load_newobj_ex(self)
+
+    def _instantiate(self, klass: Any, args: Any) -> None:  # OBJ and INST (protocols 0, 1)
+        _refuse_call(klass)
+        _PyUnpickler._instantiate(self, klass, args)
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
 
     def find_class(self, module: str, name: str) -> Any:
         """Resolve ``module.name`` from the allow-list; never imports anything."""
