@@ -178,38 +178,68 @@ _PyUnpickler: Any = pickle._Unpickler  # type: ignore[attr-defined]
 class Unpickler(_PyUnpickler):
     """``pickle.Unpickler`` that resolves globals from :data:`ALLOWED` only.
 
-    The pure-Python unpickler is used on purpose: its opcode table can be edited, so ``BUILD``
-    goes through :func:`_setstate_checked`. Pickles in TE checkpoints are kilobytes, so speed
-    does not matter.
+    The pure-Python unpickler is used on purpose: its opcode table can be edited. Every opcode
+    that calls what ``find_class`` returned refuses the classes allowed only as markers, and
+    ``BUILD`` (which sets state on an object) reaches only objects this load itself created,
+    through :meth:`setstate`'s checks: never a class, a function or anything else reachable
+    from a module, so no load changes the process. Other readers (DCP's metadata) subclass it
+    with their own ``find_class`` and :meth:`setstate`.
 
     Raises:
         UnsafeCheckpointError: the pickle names a global outside the allow-list.
+        LegacyFormatError: it calls a marker, or sets state it may not.
     """
 
     dispatch = dict(_PyUnpickler.dispatch)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # id -> object for everything a call in this load made; the objects are kept, so an
+        # id cannot be reused by another object while the load runs.
+        self._created: dict[int, object] = {}
+
+    def _made(self) -> None:
+        made = self.stack[-1]
+        self._created[id(made)] = made
+
     def _load_build(self) -> None:
         state = self.stack.pop()
-        _setstate_checked(self.stack[-1], state)
+        inst = self.stack[-1]
+        if self._created.get(id(inst)) is not inst:
+            raise LegacyFormatError(
+                "",
+                f"a pickle setting the state of a {type(inst).__name__} object it did not create",
+                "state set only on objects the pickle itself built",
+                "The checkpoint is corrupt or was crafted; nothing was executed.",
+            )
+        self.setstate(inst, state)
 
-    dispatch[pickle.BUILD[0]] = _load_build
+    def setstate(self, inst: object, state: object) -> None:
+        """``BUILD`` on an object this load created: the types TE checkpoints need."""
+        _setstate_checked(inst, state)
 
     # Every opcode that calls or instantiates what find_class returned checks it first.
     def _load_reduce(self) -> None:
         _refuse_call(self.stack[-2])
         _PyUnpickler.load_reduce(self)
+        self._made()
 
     def _load_newobj(self) -> None:
         _refuse_call(self.stack[-2])
         _PyUnpickler.load_newobj(self)
+        self._made()
 
     def _load_newobj_ex(self) -> None:
         _refuse_call(self.stack[-3])
         _PyUnpickler.load_newobj_ex(self)
+        self._made()
 
     def _instantiate(self, klass: Any, args: Any) -> None:  # OBJ and INST (protocols 0, 1)
         _refuse_call(klass)
         _PyUnpickler._instantiate(self, klass, args)
+        self._made()
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj

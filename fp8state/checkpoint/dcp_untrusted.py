@@ -11,11 +11,11 @@ users get it as ``fp8state.checkpoint.load_dcp_state_dict(path, trusted=False)``
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import os
 import pathlib
-import pickle
 import warnings
 from typing import IO, Any
 
@@ -27,14 +27,19 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fp8state._te.unpickler import safe_torch_load
+from fp8state._te.unpickler import Unpickler, safe_torch_load
 from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
     dcp_failure,
     unreadable_items,
     unreadable_metadata,
 )
-from fp8state.errors import CheckpointError, FP8StateError, UnsafeCheckpointError
+from fp8state.errors import (
+    CheckpointError,
+    FP8StateError,
+    LegacyFormatError,
+    UnsafeCheckpointError,
+)
 
 __all__ = ["load_untrusted_dcp_state_dict"]
 
@@ -78,12 +83,52 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 _ALLOWED = _allowed_globals()
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves globals from :data:`_ALLOWED` only."""
+# The metadata classes whose instances a pickle may give state to (BUILD): DCP's dataclasses.
+_STATEFUL = tuple(
+    v for v in _ALLOWED.values() if isinstance(v, type) and dataclasses.is_dataclass(v)
+)
+
+
+def _dataclass_setstate(inst: object, state: object) -> None:
+    """``BUILD`` on a DCP metadata object: its own fields, nothing else."""
+    if not isinstance(inst, _STATEFUL):
+        raise LegacyFormatError(
+            "",
+            f"a pickle setting the state of a {type(inst).__name__} object",
+            "state only for DCP's metadata dataclasses",
+            "The checkpoint is corrupt or was crafted; nothing was executed.",
+        )
+    own = getattr(type(inst), "__setstate__", None)
+    if own is not None:  # torch's own (TensorProperties): its fields from a tuple
+        own(inst, state)
+        return
+    names = {f.name for f in dataclasses.fields(inst)}  # type: ignore[arg-type]
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    for part in parts:
+        if part is None:
+            continue
+        if not isinstance(part, dict) or not all(k in names for k in part):
+            shown = ascii(sorted(map(str, part)) if isinstance(part, dict) else part)[:120]
+            raise LegacyFormatError(
+                "",
+                f"state {shown} for a {type(inst).__name__}",
+                f"a dict of its fields {sorted(names)}",
+                "The checkpoint is corrupt or was crafted; nothing was executed.",
+            )
+        for name, value in part.items():
+            object.__setattr__(inst, name, value)  # frozen dataclasses too, as pickle does
+
+
+class _MetadataUnpickler(Unpickler):
+    """fp8state's allow-list unpickler with DCP's metadata classes as its allow-list."""
 
     def __init__(self, file: IO[bytes], key: str) -> None:
         super().__init__(file)
         self._key = key
+
+    def setstate(self, inst: object, state: object) -> None:
+        """``BUILD``: fields of DCP's metadata dataclasses only."""
+        _dataclass_setstate(inst, state)
 
     def find_class(self, module: str, name: str) -> Any:
         """Resolve ``module.name`` from the allow-list; never imports anything."""
@@ -104,6 +149,8 @@ def _read_metadata(path: str) -> Metadata:
     try:
         with open(key, "rb") as file:
             metadata = _MetadataUnpickler(file, key).load()
+    except LegacyFormatError as err:  # a refused BUILD or call: name the file
+        raise UnsafeCheckpointError(key, err.found, err.expected, _FIX) from None
     except (FP8StateError, OSError):
         raise
     except Exception as err:  # truncated or random bytes raise anything from EOFError on

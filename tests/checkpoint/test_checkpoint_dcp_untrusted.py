@@ -141,3 +141,42 @@ def test_dcp_load_reports_a_missing_shard_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="DCP failed to read") as info:
         ckpt.dcp_load(models.build("te", seed=4), tmp_path / "dcp")
     assert "\n" not in str(info.value) and "FileNotFoundError" in info.value.found
+
+
+def _build_on_global(module: str, name: str) -> bytes:
+    """A protocol-2 pickle: GLOBAL module.name, then BUILD (None, {"pwned": "yes"}): plain
+    pickle sets the attribute on the class or function itself, for the whole process."""
+    return (
+        b"\x80\x02c" + module.encode() + b"\n" + name.encode() + b"\n"
+        b"N}X\x05\x00\x00\x00pwnedX\x03\x00\x00\x00yes" + b"s\x86b."
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "owner"),
+    [
+        ("torch.distributed.checkpoint.metadata", "Metadata", dcp.metadata.Metadata),
+        ("pathlib", "PosixPath", __import__("pathlib").PosixPath),
+        ("torch", "Size", torch.Size),
+    ],
+    ids=["Metadata", "PosixPath", "Size"],
+)
+def test_metadata_cannot_set_attributes_on_allowed_classes(
+    mixed: Path, module: str, name: str, owner: type
+) -> None:
+    (mixed / ".metadata").write_bytes(_build_on_global(module, name))
+    with pytest.raises(UnsafeCheckpointError, match="state of a type object") as info:
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+    assert info.value.key == os.path.join(str(mixed), ".metadata")
+    assert not hasattr(owner, "pwned")
+
+
+def test_metadata_state_must_name_the_dataclass_fields(mixed: Path) -> None:
+    # NEWOBJ Metadata, then BUILD ({"state_dict_metadata": {}, "__class__": 1}, None).
+    data = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81"
+        b"}X\x13\x00\x00\x00state_dict_metadata}sX\t\x00\x00\x00__class__K\x01sN\x86b."
+    )
+    (mixed / ".metadata").write_bytes(data)
+    with pytest.raises(UnsafeCheckpointError, match="__class__"):
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
