@@ -8,8 +8,8 @@
   FSDP2 models; N ranks save, M ranks load. :func:`check_fp8_metadata_replicated` is the
   check :func:`dcp_save` runs so that DCP's de-duplication never drops a rank's metadata.
 - :func:`consolidate`: a DCP folder to one ``torch.save`` file; :func:`load_dcp_state_dict`
-  and :func:`read_dcp_metadata` read DCP folders without a model (``load_dcp_state_dict(...,
-  trusted=False)`` runs nothing pickled in a folder of unknown origin).
+  and :func:`read_dcp_metadata` read DCP folders without a model. Every DCP reader here runs
+  nothing pickled in the folder unless called with ``trusted=True``.
 - :func:`load_plain_state_dict` / :func:`to_plain_state_dict`: weights without FP8 metadata
   (a model trained without FP8, a Hugging Face checkpoint) in and out, under plain PyTorch's
   names; :func:`save_safetensors` / :func:`load_safetensors` do the same with files

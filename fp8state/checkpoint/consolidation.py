@@ -96,7 +96,11 @@ def _check_readable(tmp: str, out: str, num_tensors: int, source: str) -> None:
 
 
 def consolidate(
-    dcp_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], *, overwrite: bool = False
+    dcp_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    trusted: bool = False,
 ) -> ConsolidateResult:
     """Write the DCP checkpoint in ``dcp_dir`` as one ``torch.save`` file at ``out_path``.
 
@@ -112,6 +116,8 @@ def consolidate(
         dcp_dir: The DCP checkpoint folder.
         out_path: The file to write.
         overwrite: Replace an existing ``out_path``.
+        trusted: Read the folder with DCP's own reader (plain pickle); by default nothing
+            pickled in it runs (:func:`load_dcp_state_dict`'s ``trusted``).
 
     Returns:
         A :class:`ConsolidateResult` describing the file.
@@ -139,7 +145,7 @@ def consolidate(
     out = os.fspath(out_path)
     if os.path.lexists(out) and not overwrite:
         raise _exists(out)
-    state = load_dcp_state_dict(dcp_dir)
+    state = load_dcp_state_dict(dcp_dir, trusted=trusted)
     fp8_keys: list[str] = []
     problems: list[FP8StateError] = []
     for key, value in iter_extra_states(state):

@@ -19,7 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
-from fp8state.checkpoint.dcp_untrusted import load_untrusted_dcp_state_dict
+from fp8state.checkpoint.dcp_untrusted import (
+    load_untrusted_dcp_state_dict,
+    read_untrusted_metadata,
+)
 from fp8state.errors import CheckpointError
 
 __all__ = ["DCPEntry", "is_dcp_checkpoint", "read_dcp_metadata", "load_dcp_state_dict"]
@@ -71,20 +74,24 @@ def _require_dcp(path: str | os.PathLike[str]) -> None:
         )
 
 
-def read_metadata(path: str | os.PathLike[str]) -> Metadata:
-    """DCP's own :class:`Metadata` of the checkpoint in ``path``."""
+def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Metadata:
+    """DCP's :class:`Metadata` of the folder ``path``: through the allow-list, unless trusted."""
     _require_dcp(path)
+    if not trusted:
+        return read_untrusted_metadata(os.fspath(path))
     try:
         return dcp.FileSystemReader(os.fspath(path)).read_metadata()
     except Exception as err:  # DCP raises assorted pickle/EOF errors for a damaged file
         raise unreadable_metadata(path, err) from err
 
 
-def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
+def read_dcp_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> list[DCPEntry]:
     """List what a DCP checkpoint stores, reading only its metadata file.
 
     Args:
         path: The checkpoint folder.
+        trusted: Unpickle ``.metadata`` with DCP's own reader (plain pickle). By default it
+            goes through the allow-list, which runs nothing from the file.
 
     Returns:
         One :class:`DCPEntry` per stored item, sorted by key.
@@ -103,7 +110,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
         0.bias ('0.bias',) (16,)
         0.weight ('0.weight',) (16, 16)
     """
-    md = read_metadata(path)
+    md = read_metadata(path, trusted=trusted)
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
     entries = []
     for key, item in md.state_dict_metadata.items():
@@ -120,7 +127,7 @@ def read_dcp_metadata(path: str | os.PathLike[str]) -> list[DCPEntry]:
 
 
 def load_dcp_state_dict(
-    path: str | os.PathLike[str], keys: set[str] | None = None, *, trusted: bool = True
+    path: str | os.PathLike[str], keys: set[str] | None = None, *, trusted: bool = False
 ) -> dict[str, Any]:
     """Read a DCP checkpoint into one nested state dict of CPU tensors, in this process.
 
@@ -131,10 +138,10 @@ def load_dcp_state_dict(
         path: The checkpoint folder.
         keys: Top-level keys (``"blocks.0.weight"``, ``"blocks.0._extra_state"``) to read;
             None reads everything.
-        trusted: True reads with DCP's own reader, which unpickles ``.metadata`` and every
-            non-tensor item with plain pickle: only for folders you trust. False runs
-            nothing from the folder (:mod:`fp8state.checkpoint.dcp_untrusted`; what
-            ``fp8state inspect`` does).
+        trusted: False (the default) runs nothing from the folder: ``.metadata`` and every
+            non-tensor item go through allow-lists (:mod:`fp8state.checkpoint.dcp_untrusted`).
+            True reads with DCP's own reader, which unpickles them with plain pickle: only
+            for folders you trust, holding Python objects the allow-lists refuse.
 
     Returns:
         The state dict as it was saved: ``_extra_state`` entries are fp8state's flat
@@ -142,8 +149,8 @@ def load_dcp_state_dict(
 
     Raises:
         CheckpointError: ``path`` is not a DCP folder, or reading it failed.
-        UnsafeCheckpointError: ``trusted=False`` and the folder names a Python global outside
-            the allow-lists (nothing was executed).
+        UnsafeCheckpointError: the folder names a Python global outside the allow-lists
+            (nothing was executed; ``trusted=True`` reads it, if you trust it).
 
     Example:
         >>> import tempfile, torch, torch.distributed.checkpoint as dcp

@@ -5,8 +5,8 @@ item with ``torch.load(weights_only=False)``: a crafted folder runs code the mom
 Here ``.metadata`` may name only DCP's metadata classes, sizes, dtypes, layouts and paths, and
 non-tensor items go through fp8state's allow-list unpickler (:mod:`fp8state._te.unpickler`,
 the one that reads TransformerEngine files). Tensor items are read by DCP itself, which already
-uses ``torch.load(weights_only=True)`` for them. ``fp8state inspect DIR`` reads folders this way;
-users get it as ``fp8state.checkpoint.load_dcp_state_dict(path, trusted=False)``.
+uses ``torch.load(weights_only=True)`` for them. Every DCP reader of fp8state (and so every
+command of the CLI) reads folders this way unless called with ``trusted=True``.
 """
 
 from __future__ import annotations
@@ -41,11 +41,12 @@ from fp8state.errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["load_untrusted_dcp_state_dict"]
+__all__ = ["load_untrusted_dcp_state_dict", "AllowListReader", "read_untrusted_metadata"]
 
 _FIX = (
-    "Nothing was executed. If you trust this folder, read it with DCP's own reader: "
-    "fp8state.checkpoint.load_dcp_state_dict(path) or torch.distributed.checkpoint.load."
+    "Nothing was executed. If you trust this folder, opt into DCP's own reader, which "
+    "unpickles it with plain pickle: trusted=True (load_dcp_state_dict, dcp_load, consolidate) "
+    "or fp8state consolidate --trusted."
 )
 
 
@@ -144,7 +145,8 @@ class _MetadataUnpickler(Unpickler):
         return found
 
 
-def _read_metadata(path: str) -> Metadata:
+def read_untrusted_metadata(path: str) -> Metadata:
+    """DCP's ``Metadata`` of the folder ``path``, unpickled through the allow-list."""
     key = os.path.join(path, METADATA_FILE)
     try:
         with open(key, "rb") as file:
@@ -165,12 +167,17 @@ def _read_metadata(path: str) -> Metadata:
     return metadata
 
 
-class _AllowListReader(dcp.FileSystemReader):
-    """DCP's file reader, with ``.metadata`` read through the allow-list."""
+class AllowListReader(dcp.FileSystemReader):
+    """DCP's file reader, with ``.metadata`` read through the allow-list.
+
+    Tensor items are read as DCP reads them (``torch.load(weights_only=True)``); a load that
+    asks for non-tensor items must read them through fp8state's unpickler too (the planner
+    of :func:`load_untrusted_dcp_state_dict` does; ``dcp_load`` refuses them).
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata`` safely, then stamp it as ``FileSystemReader.read_metadata`` does."""
-        metadata = _read_metadata(os.fspath(self.path))
+        metadata = read_untrusted_metadata(os.fspath(self.path))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -277,7 +284,7 @@ def load_untrusted_dcp_state_dict(
         CheckpointError: ``.metadata`` is damaged, or an item could not be read.
     """
     source = os.fspath(path)
-    metadata = _read_metadata(source)
+    metadata = read_untrusted_metadata(source)
     item_paths = _item_paths(metadata, source)
     flat: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -293,7 +300,7 @@ def load_untrusted_dcp_state_dict(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 flat,
-                storage_reader=_AllowListReader(source),
+                storage_reader=AllowListReader(source),
                 planner=_AllowListPlanner(source),
                 no_dist=True,
             )

@@ -29,9 +29,15 @@ from fp8state.checkpoint._problems import (
     missing_fp8_metadata,
     summarize,
 )
+from fp8state.checkpoint.dcp_untrusted import AllowListReader
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
 from fp8state.checkpoint.validate import load_state_dict, validate_state_dict
-from fp8state.errors import CheckpointError, FP8StateError, StateDictError
+from fp8state.errors import (
+    CheckpointError,
+    FP8StateError,
+    StateDictError,
+    UnsafeCheckpointError,
+)
 from fp8state.schema import is_payload
 
 __all__ = ["dcp_save", "dcp_load"]
@@ -153,7 +159,7 @@ def _stored(md: Metadata, key: str | None) -> dict[str, dict[tuple, Any]]:
     return stored
 
 
-def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
+def _plan(sd: dict[str, Any], md: Metadata, key: str | None, trusted: bool) -> _Plan:
     stored = _stored(md, key)
     plan = _Plan()
     for name, value in sd.items():
@@ -207,6 +213,18 @@ def _plan(sd: dict[str, Any], md: Metadata, key: str | None) -> _Plan:
                 )
             else:
                 plan.rest[name] = value
+        elif not trusted and any(
+            not isinstance(item, TensorStorageMetadata) for item in items.values()
+        ):
+            # DCP's planner would unpickle the item with plain pickle.
+            plan.mismatched.append(
+                UnsafeCheckpointError(
+                    name,
+                    "a non-tensor item, which DCP reads with plain pickle",
+                    "tensors only, unless the folder is trusted",
+                    "If you trust this folder, pass trusted=True.",
+                )
+            )
         else:
             plan.rest[name] = value
     return plan
@@ -231,6 +249,7 @@ def dcp_load(
     process_group: Any = None,
     key: str | None = None,
     storage_reader: Any = None,
+    trusted: bool = False,
 ) -> Any:
     """Load a DCP checkpoint into ``model``, whatever the number of ranks that saved it.
 
@@ -253,7 +272,11 @@ def dcp_load(
             e.g. an optimizer's, are ignored).
         process_group: DCP's process group (None: the default group).
         key: The key the model was stored under (``dcp_save(..., key="model")``).
-        storage_reader: Passed to ``dcp.load`` (default: a ``FileSystemReader``).
+        storage_reader: Passed to ``dcp.load`` (default: DCP's ``FileSystemReader`` reading
+            ``.metadata`` through fp8state's allow-list, or DCP's own with ``trusted``).
+        trusted: Read ``.metadata`` (and any non-tensor item the model asks for) with plain
+            pickle, as DCP does. By default nothing pickled in the folder runs, and a
+            non-tensor item where the model has one is refused.
 
     Returns:
         The missing and unexpected keys, as ``load_state_dict`` returns them.
@@ -280,10 +303,13 @@ def dcp_load(
         True
     """
     where = os.fspath(checkpoint_id)
-    reader = storage_reader or dcp.FileSystemReader(where)
+    if storage_reader is not None:
+        reader = storage_reader
+    else:
+        reader = dcp.FileSystemReader(where) if trusted else AllowListReader(where)
     with _dcp_call(where, "read"):
         md = reader.read_metadata()
-    plan = _plan(get_model_state_dict(model), md, key)
+    plan = _plan(get_model_state_dict(model), md, key, trusted)
     _raise_if(plan.mismatched + (plan.missing if strict else []), model, "keys and shapes")
 
     def read(part: dict[str, Any]) -> None:

@@ -22,13 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace OUT if it exists (default: refuse)"
     )
+    parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="read DIR with DCP's own reader, which runs pickled code (default: an allow-list "
+        "that runs nothing from the folder)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Check the paths, consolidate, print one line about the file written, return 0."""
     existing_dcp_folder(args.dir)
     new_file(args.out, overwrite=args.overwrite)  # the library's own message names overwrite=
-    result = consolidate(args.dir, args.out, overwrite=args.overwrite)
+    result = consolidate(args.dir, args.out, overwrite=args.overwrite, trusted=args.trusted)
     say(
         f"wrote {result.path}: {result.num_tensors} tensors, "
         f"{result.num_bytes / 2**20:.2f} MiB, {len(result.fp8_modules)} FP8 module(s) validated"

@@ -238,9 +238,9 @@ def test_load_dcp_state_dict_falls_back_to_the_public_converter(
 
     monkeypatch.setattr(dcp_files, "_load_with_empty_planner", gone)
     folder, source = saved
-    assert_same(ckpt.load_dcp_state_dict(folder), models.full_state(source))
+    assert_same(ckpt.load_dcp_state_dict(folder, trusted=True), models.full_state(source))
     with pytest.raises(ImportError):
-        ckpt.load_dcp_state_dict(folder, keys={"inp.weight"})
+        ckpt.load_dcp_state_dict(folder, keys={"inp.weight"}, trusted=True)
 
 
 def test_docstring_examples_run() -> None:

@@ -18,9 +18,10 @@ from _helpers.state import assert_same, fields
 from dist_workers import models
 from te_gen.adversarial import Call
 
+import fp8state
 import fp8state.checkpoint as ckpt
 from fp8state.cli import main
-from fp8state.errors import CheckpointError, UnsafeCheckpointError
+from fp8state.errors import CheckpointError, StateDictError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -129,7 +130,13 @@ def test_cli_consolidate_names_a_refused_object_in_one_line(
         checkpoint_id=str(folder),
         no_dist=True,
     )
+    # By default the allow-list refuses it, before anything is unpickled, and names the opt-in.
     assert main(["consolidate", str(folder), str(tmp_path / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argparse.Namespace" in err and "--trusted" in err
+    assert not (tmp_path / "out.pt").exists()
+    # Trusted, DCP's reader unpickles it; the file written must load weights-only: refused.
+    assert main(["consolidate", str(folder), str(tmp_path / "out.pt"), "--trusted"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refuses (argparse.Namespace)" in err
     assert not (tmp_path / "out.pt").exists()
@@ -180,3 +187,45 @@ def test_metadata_state_must_name_the_dataclass_fields(mixed: Path) -> None:
     (mixed / ".metadata").write_bytes(data)
     with pytest.raises(UnsafeCheckpointError, match="__class__"):
         ckpt.load_dcp_state_dict(mixed, trusted=False)
+
+
+def _gadget_folders(tmp_path: Path) -> dict[str, tuple[Path, Path]]:
+    """Folders whose .metadata, or whose non-tensor item, runs `touch MARKER` when unpickled
+    by plain pickle; each with its own marker file."""
+    model = torch.nn.Sequential(fp8state.Linear(16, 16))
+    out = {}
+    for where in ("metadata", "item"):
+        folder, marker = tmp_path / where, tmp_path / f"ran-{where}"
+        state: dict[str, Any] = dict(model.state_dict())
+        if where == "item":
+            state["0.weight"] = Call(os.system, f"touch {marker}")  # where a tensor belongs
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+        if where == "metadata":
+            replace_planner_data(folder, Call(os.system, f"touch {marker}"))
+        out[where] = (folder, marker)
+    return out
+
+
+@pytest.mark.parametrize("where", ["metadata", "item"])
+def test_every_reader_is_safe_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    folder, marker = _gadget_folders(tmp_path)[where]
+    model = torch.nn.Sequential(fp8state.Linear(16, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = tmp_path / "out.pt"
+    assert main(["consolidate", str(folder), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Nothing was executed" in err and "--trusted" in err
+    with pytest.raises(UnsafeCheckpointError):
+        ckpt.consolidate(folder, out)
+    with pytest.raises(UnsafeCheckpointError):
+        ckpt.load_dcp_state_dict(folder)
+    with pytest.raises((UnsafeCheckpointError, StateDictError)):
+        ckpt.dcp_load(model, folder)
+    if where == "metadata":
+        with pytest.raises(UnsafeCheckpointError):
+            ckpt.read_dcp_metadata(folder)
+    assert not marker.exists() and not out.exists()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
