@@ -164,7 +164,65 @@ def read_untrusted_metadata(path: str) -> Metadata:
             "DCP's Metadata object",
             "The checkpoint is corrupt, or the folder was not written by dcp.save.",
         )
+    _check_storage(metadata, path, key)
     return metadata
+
+
+def _check_storage(metadata: Metadata, folder: str, key: str) -> None:
+    """Every item's bytes in a regular file inside ``folder``, within its size.
+
+    DCP opens ``folder / relative_path`` and reads ``length`` bytes at ``offset``: a crafted
+    ``.metadata`` naming ``/dev/zero``, ``../secret`` or a symbolic link out of the folder
+    would read there. Checked before any item file is opened (``os.stat`` opens nothing).
+    """
+    data = metadata.storage_data
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            key,
+            f"storage data of type {type(data).__name__}",
+            "a dict of where each item is stored",
+            "The checkpoint is corrupt, or the folder was not written by dcp.save.",
+        )
+    root = os.path.realpath(folder)
+    sizes: dict[str, int] = {}
+    for info in data.values():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        shown = f"an item stored in {ascii(rel)[:120]} at offset {offset!r}, length {length!r}"
+        real = _inside(root, rel)
+        if real is None or type(offset) is not int or type(length) is not int:
+            raise _outside(key, shown[:300])
+        if offset < 0 or length < 0:
+            raise _outside(key, shown[:300])
+        if real not in sizes:
+            if not os.path.lexists(real):  # missing: damaged, as DCP's own reader says
+                missing = FileNotFoundError(2, "No such file or directory", real)
+                raise unreadable_items(folder, missing)
+            if not os.path.isfile(real):  # a folder, a device, a pipe
+                raise _outside(key, shown[:300])
+            sizes[real] = os.stat(real).st_size
+        if offset + length > sizes[real]:
+            short = EOFError(f"{real} holds {sizes[real]} bytes, items reach {offset + length}")
+            raise unreadable_items(folder, short)
+
+
+def _inside(root: str, rel: object) -> str | None:
+    """``root / rel`` resolved, if ``rel`` is a relative path that stays inside ``root``."""
+    if not isinstance(rel, str) or rel == "" or "\x00" in rel or os.path.isabs(rel):
+        return None
+    if ".." in pathlib.PurePath(rel).parts:
+        return None
+    real = os.path.realpath(os.path.join(root, rel))  # symbolic links followed
+    return real if os.path.commonpath([root, real]) == root else None
+
+
+def _outside(key: str, found: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        key,
+        found,
+        "bytes of a regular file inside the checkpoint folder",
+        "Nothing was opened. The checkpoint was crafted, or its folder holds links out of it.",
+    )
 
 
 class AllowListReader(dcp.FileSystemReader):

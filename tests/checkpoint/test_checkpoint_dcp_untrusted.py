@@ -5,8 +5,10 @@ CheckpointErrors (the CLI prints them as they are)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +147,7 @@ def test_cli_consolidate_names_a_refused_object_in_one_line(
 def test_dcp_load_reports_a_missing_shard_in_one_line(tmp_path: Path) -> None:
     ckpt.dcp_save(models.build("te", seed=3), tmp_path / "dcp")
     next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp").unlink()
-    with pytest.raises(CheckpointError, match="DCP failed to read") as info:
+    with pytest.raises(CheckpointError, match="missing or damaged") as info:
         ckpt.dcp_load(models.build("te", seed=4), tmp_path / "dcp")
     assert "\n" not in str(info.value) and "FileNotFoundError" in info.value.found
 
@@ -229,3 +231,42 @@ def test_every_reader_is_safe_by_default(
     assert not marker.exists() and not out.exists()
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def _point_items_at(folder: Path, relative_path: str, offset: int = 0) -> None:
+    """Rewrite .metadata so that every item is read from ``relative_path`` at ``offset``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()  # a folder this test wrote
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = dataclasses.replace(
+            info, relative_path=relative_path, offset=offset
+        )
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["/dev/zero", "../outside.distcp", "sub/../../outside.distcp", "link.distcp", "sub"],
+    ids=["absolute", "parent", "parent-deep", "link-out", "a-folder"],
+)
+def test_storage_paths_outside_the_folder_are_refused_before_opening(
+    mixed: Path, tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "outside.distcp").write_bytes(b"\0" * 10**6)
+    (mixed / "link.distcp").symlink_to(tmp_path / "outside.distcp")
+    (mixed / "sub").mkdir()
+    _point_items_at(mixed, where)
+    with pytest.raises(UnsafeCheckpointError, match="inside the checkpoint folder"):
+        ckpt.load_dcp_state_dict(mixed)
+    with pytest.raises(UnsafeCheckpointError, match="inside the checkpoint folder"):
+        ckpt.dcp_load(models.build("te", seed=4), mixed)
+
+
+def test_an_item_past_the_end_of_its_shard_is_damage(mixed: Path) -> None:
+    shard = next(p for p in mixed.iterdir() if p.suffix == ".distcp")
+    _point_items_at(mixed, shard.name, offset=shard.stat().st_size)
+    with pytest.raises(CheckpointError, match="missing or damaged") as info:
+        ckpt.load_dcp_state_dict(mixed)
+    assert "EOFError" in info.value.found
