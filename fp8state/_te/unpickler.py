@@ -27,6 +27,7 @@ from typing import IO, Any, BinaryIO
 import torch
 
 from fp8state._te import standins
+from fp8state._te.rebuild import checked_rebuild
 from fp8state.errors import FP8StateError, LegacyFormatError, UnsafeCheckpointError
 
 __all__ = [
@@ -58,84 +59,6 @@ def _latin1_encode(obj: object, encoding: object = "utf-8") -> bytes:
     return obj.encode("latin-1")
 
 
-#: A tensor may view more elements than its storage holds (an expanded view: stride 0) only up
-#: to this many: the first copy of a 10**10-row view of a 3-element storage would allocate
-#: 120 GB.
-MAX_EXPANDED_ELEMENTS = 2**24
-
-
-def _malformed(found: str) -> LegacyFormatError:
-    return LegacyFormatError(
-        "",
-        found,
-        "a tensor inside the bytes its storage holds, as torch.save writes it",
-        "The checkpoint is corrupt or was crafted; nothing was read outside the file.",
-    )
-
-
-def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = None) -> None:
-    """Raise unless a tensor rebuilt from these arguments lies inside ``storage``.
-
-    ``Tensor.set_`` would otherwise grow a storage too small for the view (uninitialized
-    memory reported as data) or accept negative numbers. Checked before anything is made.
-    """
-    untyped = getattr(storage, "_untyped_storage", storage)
-    dtype = dtype if dtype is not None else getattr(storage, "dtype", None)
-    ints = (
-        type(offset) is int
-        and isinstance(size, (tuple, list, torch.Size))
-        and isinstance(stride, (tuple, list))
-        and len(size) == len(stride)
-        and all(type(v) is int for v in (*size, *stride))
-    )
-    if not isinstance(untyped, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
-        raise _malformed(f"a tensor built from a {type(storage).__name__}")
-    if not ints or offset < 0 or any(v < 0 for v in (*size, *stride)):
-        raise _malformed(f"a tensor with offset {offset!r}, size {size!r}, stride {stride!r}"[:200])
-    numel = 1
-    for n in size:
-        numel *= n
-    if numel == 0:
-        return
-    last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    item = torch.empty((), dtype=dtype).element_size()
-    held = untyped.nbytes()
-    if (last + 1) * item > held:
-        raise _malformed(
-            f"a tensor of shape {tuple(size)} at offset {offset} reaching byte "
-            f"{(last + 1) * item} of a {held}-byte storage"
-        )
-    if numel * item > held and numel > MAX_EXPANDED_ELEMENTS:
-        raise _malformed(
-            f"a view of {numel} elements over a {held}-byte storage (limit "
-            f"{MAX_EXPANDED_ELEMENTS} elements for views larger than their storage)"
-        )
-
-
-def _checked(rebuild: Callable[..., Any], hooks_at: int | None, dtype_at: int | None) -> Any:
-    """A torch rebuild function that checks the view (:func:`check_view`) and refuses hooks.
-
-    torch.save never writes hooks (torch's "Don't serialize hooks" note); hooks in a pickle
-    could only be callables planted to run at the next backward pass.
-    """
-
-    def checked(*args: Any) -> Any:
-        if len(args) >= 4 and rebuild.__name__.startswith("_rebuild_tensor"):
-            dtype = args[dtype_at] if dtype_at is not None and len(args) > dtype_at else None
-            check_view(args[0], args[1], args[2], args[3], dtype)
-        if hooks_at is not None and len(args) > hooks_at and args[hooks_at]:
-            raise LegacyFormatError(
-                "",
-                f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
-                "no hooks (torch.save never writes them)",
-                "The checkpoint was crafted; nothing was executed.",
-            )
-        return rebuild(*args)
-
-    checked.__qualname__ = checked.__name__ = rebuild.__name__
-    return checked
-
-
 def _torch_allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size,
@@ -152,7 +75,9 @@ def _torch_allowed() -> dict[tuple[str, str], Any]:
         ("_rebuild_parameter", 2, None),
         ("_rebuild_parameter_with_state", 2, None),
     ):
-        allowed[("torch._utils", name)] = _checked(getattr(torch._utils, name), hooks_at, dtype_at)
+        allowed[("torch._utils", name)] = checked_rebuild(
+            getattr(torch._utils, name), hooks_at, dtype_at
+        )
     for name in dir(torch):
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):

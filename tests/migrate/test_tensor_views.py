@@ -12,7 +12,8 @@ import pytest
 import torch
 from _helpers.cli import run_cli
 
-from fp8state._te.unpickler import MAX_EXPANDED_ELEMENTS, check_view, safe_torch_load
+from fp8state._te.rebuild import MAX_EXPANDED_ELEMENTS, check_view
+from fp8state._te.unpickler import safe_torch_load
 from fp8state.errors import LegacyFormatError
 from fp8state.migrate import load_te_checkpoint
 
