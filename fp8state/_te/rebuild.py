@@ -73,6 +73,12 @@ def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = N
         )
 
 
+def _names(state: object) -> str:
+    parts = state if isinstance(state, tuple) else (state,)
+    names = [k for part in parts if isinstance(part, dict) for k in part]
+    return ascii(sorted(map(str, names))) if names else ascii(type(state).__name__)
+
+
 def checked_rebuild(rebuild: Callable[..., Any], hooks_at: int | None, dtype_at: int | None) -> Any:
     """A torch rebuild function that checks the view (:func:`check_view`) and refuses hooks.
 
@@ -84,6 +90,15 @@ def checked_rebuild(rebuild: Callable[..., Any], hooks_at: int | None, dtype_at:
         if len(args) >= 4 and rebuild.__name__.startswith("_rebuild_tensor"):
             dtype = args[dtype_at] if dtype_at is not None and len(args) > dtype_at else None
             check_view(args[0], args[1], args[2], args[3], dtype)
+        if rebuild.__name__ == "_rebuild_parameter_with_state" and len(args) > 3 and args[3]:
+            # Attributes set on the Parameter (its `_backward_hooks` among them): torch.save
+            # writes them only for Parameter subclasses, never for a module's parameters.
+            raise LegacyFormatError(
+                "",
+                f"a Parameter with pickled attributes {_names(args[3])}"[:200],
+                "a plain Parameter (no attributes)",
+                "The checkpoint was crafted or holds a Parameter subclass; nothing was set.",
+            )
         if hooks_at is not None and len(args) > hooks_at and args[hooks_at]:
             raise LegacyFormatError(
                 "",

@@ -138,10 +138,10 @@ def _setstate_checked(inst: object, state: object) -> None:
         inst.__setstate__(state)
         return
     elif type(inst) is collections.OrderedDict:
-        # state_dict() OrderedDicts carry a `_metadata` attribute (module versions).
-        if isinstance(state, dict) and all(
-            isinstance(k, str) and not k.startswith("__") for k in state
-        ):
+        # state_dict() OrderedDicts carry one attribute, `_metadata` (module versions), and
+        # nothing else: an attribute named `keys`, `items` or `get` would shadow the mapping's
+        # methods for every reader after this one.
+        if isinstance(state, dict) and set(state) <= {"_metadata"}:
             inst.__dict__.update(state)
             return
     raise LegacyFormatError(
