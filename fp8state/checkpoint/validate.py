@@ -57,6 +57,32 @@ def _unexpected(key: str) -> CheckpointError:
     )
 
 
+def _unusable(value: torch.Tensor) -> str | None:
+    """What makes ``value`` impossible to copy into a dense tensor exactly, or None.
+
+    ``Tensor.copy_`` raises for these only while ``load_state_dict`` runs, after other
+    modules were already loaded: they are refused before anything changes.
+    """
+    if type(value) not in (torch.Tensor, nn.Parameter) and not _is_dtensor(value):
+        return f"a {type(value).__name__} (a tensor subclass)"
+    if value.is_nested:
+        return "a nested tensor"
+    if value.layout != torch.strided:
+        return f"a tensor of layout {value.layout}"
+    if value.is_quantized:
+        return "a quantized tensor"
+    return None
+
+
+def _bad_kind(key: str, found: str) -> CheckpointError:
+    return CheckpointError(
+        key,
+        found,
+        "a dense (strided) torch.Tensor",
+        "Convert it first (.to_dense(), .dequantize()); nothing was loaded.",
+    )
+
+
 def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, CheckpointError | None]:
     """Check a parameter's or buffer's value; return it (DTensor-ized if needed) or a problem."""
     live = entry.tensor()
@@ -67,6 +93,16 @@ def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, Checkpoi
             f"a {type(value).__name__}",
             "a torch.Tensor",
             "The checkpoint is corrupt or not a state dict of this model.",
+        )
+    kind = _unusable(value)
+    if kind is not None and not (live.is_quantized and value.is_quantized):
+        return value, _bad_kind(entry.key, kind)
+    if value.is_complex() and not live.is_complex():
+        return value, CheckpointError(
+            entry.key,
+            f"a complex tensor ({value.dtype})",
+            f"a real one, like the model's {live.dtype}",
+            "Copying would drop the imaginary part; nothing was loaded.",
         )
     if nn.parameter.is_lazy(live):
         return value, None  # a lazy module takes the checkpoint's shape, as in PyTorch
@@ -107,14 +143,29 @@ def _check_tensor(entry: Entry, value: Any, assign: bool) -> tuple[Any, Checkpoi
     return value, None
 
 
-def _check_extra(entry: Entry, value: Any) -> CheckpointError | FP8StateError | None:
+def _check_extra(entry: Entry, value: Any) -> tuple[Any, CheckpointError | FP8StateError | None]:
+    """Validate an FP8 module's payload; return it as it will be loaded, or a problem.
+
+    A mapping payload (schema 1) is read once, into a plain dict, and that dict is what
+    validation sees and the module loads: a mapping answering differently on a second read
+    cannot get other data past the check.
+    """
     if not isinstance(entry.module, FP8StateMixin):
-        return None  # another library's extra state: its own set_extra_state judges it
+        return value, None  # another library's extra state: its own set_extra_state judges it
+    if isinstance(value, Mapping):
+        value = dict(value.items())
+    tensors = [value] if isinstance(value, torch.Tensor) else []
+    if isinstance(value, dict):
+        tensors = [v for v in value.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        kind = _unusable(tensor)
+        if kind is not None:
+            return value, _bad_kind(entry.key, kind)
     try:
         entry.module._fp8_validate(value)
     except FP8StateError as err:
-        return err.under(entry.key)
-    return None
+        return value, err.under(entry.key)
+    return value, None
 
 
 def validate_state_dict(
@@ -174,7 +225,7 @@ def validate_state_dict(
             )
             continue
         if entry.kind == "extra":
-            problem = _check_extra(entry, value)
+            value, problem = _check_extra(entry, value)
         else:
             value, problem = _check_tensor(entry, value, assign)
         if problem is not None:
