@@ -152,7 +152,14 @@ def from_packed(value: torch.Tensor) -> dict[str, torch.Tensor]:
         SchemaError: not a 1-D float32 tensor, a header that is not integers, or a length that
             its header's GEMM and row counts do not give.
     """
-    if value.dtype != torch.float32 or value.dim() != 1 or value.layout != torch.strided:
+    if value.is_nested or value.layout != torch.strided or value.is_quantized:
+        raise SchemaError(
+            "",
+            "a nested, sparse or quantized tensor",
+            "a dense 1-D torch.float32 tensor (fp8state extra-state schema 2)",
+            "Pass what an fp8state module's get_extra_state() returned.",
+        )
+    if value.dtype != torch.float32 or value.dim() != 1:
         raise SchemaError(
             "",
             f"a {value.dtype} tensor of shape {tuple(value.shape)}",

@@ -14,7 +14,32 @@ import torch
 from fp8state.errors import SchemaError
 from fp8state.slots import BWD_SLOTS_PER_GEMM, DIRECTIONS, FWD_SLOTS_PER_GEMM
 
-__all__ = ["payload_key", "check_flat", "int_scalar", "check_consistency", "check_values"]
+__all__ = [
+    "dense_problem",
+    "payload_key",
+    "check_flat",
+    "int_scalar",
+    "check_consistency",
+    "check_values",
+]
+
+
+def dense_problem(value: torch.Tensor) -> str | None:
+    """What keeps ``value`` from being read as plain dense data, or None if nothing does.
+
+    Nested, sparse, MKL-DNN and quantized tensors, and tensors on ``meta``, each fail in
+    their own way deep inside torch when read (or hold no data): one check, asked first,
+    wherever a tensor from a file is about to be read.
+    """
+    if value.is_nested:
+        return "a nested tensor"
+    if value.layout != torch.strided:
+        return f"a tensor of layout {value.layout}"
+    if value.is_quantized:
+        return "a quantized tensor"
+    if value.is_meta:
+        return "a tensor on the meta device (it holds no data)"
+    return None
 
 
 def payload_key(name: object) -> str:
@@ -46,19 +71,14 @@ def check_flat(payload: Mapping[Any, Any]) -> Mapping[str, torch.Tensor]:
                 "a torch.Tensor (the schema is flat)",
                 "Do not nest containers in the payload; see docs/schema.md.",
             )
-        if value.is_meta:
+        problem = dense_problem(value)
+        if problem is not None:
             raise SchemaError(
                 payload_key(name),
-                "a tensor on the meta device (it holds no data)",
-                "a tensor on a real device",
-                "Load the checkpoint itself, not a state_dict() of a model built on 'meta'.",
-            )
-        if value.layout != torch.strided:
-            raise SchemaError(
-                payload_key(name),
-                f"layout {value.layout}",
-                "a dense (strided) tensor",
-                "Convert it with .to_dense() before loading.",
+                problem,
+                "a dense (strided) tensor with data",
+                "Load the checkpoint itself (not a state_dict() of a model built on 'meta'); "
+                "convert other kinds with .to_dense() or .dequantize().",
             )
     return payload
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fp8state._payload_checks import dense_problem
 from fp8state._te import containers, standins
 from fp8state._te.eras import Era, era
 from fp8state._te.sniff import era_of_dict
@@ -89,8 +90,9 @@ def _err(key: str, found: str, expected: str, fix: str = "The checkpoint is corr
 def _tensor(obj: Any, key: str, dim: int) -> torch.Tensor:
     if not isinstance(obj, torch.Tensor):
         raise _err(key, f"a {type(obj).__name__}", f"a {dim}-D float32 tensor")
-    if obj.device.type == "meta" or obj.layout != torch.strided:
-        raise _err(key, f"a {obj.layout} tensor on {obj.device}", "a dense tensor with data")
+    problem = dense_problem(obj)
+    if problem is not None:
+        raise _err(key, problem, "a dense tensor with data")
     if obj.dtype != torch.float32 or obj.dim() != dim:
         raise _err(
             key, f"dtype {obj.dtype} with shape {tuple(obj.shape)}", f"a {dim}-D float32 tensor"

@@ -110,8 +110,11 @@ def _from_pickled(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             missing.append(name)
             continue
         value = fields[name]
+        # Each check looks at the type first: a pickled value may be a tensor or a list, whose
+        # comparisons raise or answer with a tensor.
         if name == "fp8_format":
-            if value not in _FORMATS:
+            known = isinstance(value, TEFormat) and value in _FORMATS
+            if not known:
                 raise _bad_recipe(name, value, "Format.HYBRID or Format.E4M3")
             value = _FORMATS[value]
         elif name == "margin":
@@ -119,7 +122,7 @@ def _from_pickled(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 value = int(value)  # TE's field is an int; a float 0.0 is the same recipe
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise _bad_recipe(name, value, "an int >= 0")
-        elif value not in AMAX_COMPUTE_ALGOS:
+        elif type(value) is not str or value not in AMAX_COMPUTE_ALGOS:
             raise _bad_recipe(name, value, f"one of {AMAX_COMPUTE_ALGOS}")
         got[name] = value
     return got, missing
@@ -145,8 +148,10 @@ def _recipe(st: TEState) -> tuple[DelayedScaling, str, tuple[str, ...], tuple[st
         got, missing = _from_pickled(st.recipe.fields)
         source = "pickled recipe"
         pickled_len = st.recipe.fields.get("amax_history_len")
-        if pickled_len is not None and pickled_len != st.rows:
-            notes.append(f"pickled amax_history_len {pickled_len!r} != history rows {st.rows}")
+        # Informational (the history's rows are the window); compared only as a plain int.
+        if pickled_len is not None and (type(pickled_len) is not int or pickled_len != st.rows):
+            shown = ascii(pickled_len)[:60]
+            notes.append(f"pickled amax_history_len {shown} != history rows {st.rows}")
     else:
         got, missing = _from_maxima(st)
         source = "fp8 maxima" if "fp8_format" in got else "defaults"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fp8state._payload_checks import dense_problem
 from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
 from fp8state.checkpoint._problems import (
     keys_of,
@@ -65,13 +66,8 @@ def _unusable(value: torch.Tensor) -> str | None:
     """
     if type(value) not in (torch.Tensor, nn.Parameter) and not _is_dtensor(value):
         return f"a {type(value).__name__} (a tensor subclass)"
-    if value.is_nested:
-        return "a nested tensor"
-    if value.layout != torch.strided:
-        return f"a tensor of layout {value.layout}"
-    if value.is_quantized:
-        return "a quantized tensor"
-    return None
+    problem = dense_problem(value)
+    return None if problem is not None and value.is_meta else problem  # meta: checked below
 
 
 def _bad_kind(key: str, found: str) -> CheckpointError:
