@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from fp8state.checkpoint._coverage import check_coverage
 from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
 from fp8state.checkpoint.dcp_untrusted import (
     load_untrusted_dcp_state_dict,
@@ -78,11 +79,13 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
     """DCP's :class:`Metadata` of the folder ``path``: through the allow-list, unless trusted."""
     _require_dcp(path)
     if not trusted:
-        return read_untrusted_metadata(os.fspath(path))
+        return read_untrusted_metadata(os.fspath(path))  # coverage checked there too
     try:
-        return dcp.FileSystemReader(os.fspath(path)).read_metadata()
+        metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
     except Exception as err:  # DCP raises assorted pickle/EOF errors for a damaged file
         raise unreadable_metadata(path, err) from err
+    check_coverage(metadata, path)
+    return metadata
 
 
 def read_dcp_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> list[DCPEntry]:
@@ -164,6 +167,7 @@ def load_dcp_state_dict(
     _require_dcp(path)
     if not trusted:
         return load_untrusted_dcp_state_dict(path, keys)
+    read_metadata(path, trusted=True)  # every tensor covered exactly, before any read
     try:
         return _load_with_empty_planner(path, keys)
     except ImportError:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from fp8state._te.unpickler import Unpickler, safe_torch_load
+from fp8state.checkpoint._coverage import check_coverage
 from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
     dcp_failure,
@@ -165,6 +166,7 @@ def read_untrusted_metadata(path: str) -> Metadata:
             "The checkpoint is corrupt, or the folder was not written by dcp.save.",
         )
     _check_storage(metadata, path, key)
+    check_coverage(metadata, path)
     return metadata
 
 
