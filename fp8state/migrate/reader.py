@@ -48,6 +48,18 @@ class ReadCheckpoint:
         return self.saved_locations.get(tensor.untyped_storage().data_ptr())
 
 
+def _torch_sees_torchscript(file: IO[bytes], start: int) -> bool:
+    """Whether torch.load's own zip reader would dispatch ``file`` to ``torch.jit.load``."""
+    file.seek(start)
+    try:
+        reader = torch._C.PyTorchFileReader(file)
+    except RuntimeError:  # unreadable to torch: torch.load fails too, and says so
+        return False
+    finally:
+        file.seek(start)
+    return "constants.pkl" in reader.get_all_records()
+
+
 def _check_archive(file: IO[bytes], name: str) -> None:
     start = file.tell()
     try:
@@ -64,7 +76,9 @@ def _check_archive(file: IO[bytes], name: str) -> None:
                 "a complete torch.save archive",
                 "The file is truncated or corrupt; copy it again from its source.",
             ) from None
-        if "constants.pkl" in records:
+        # torch.load decides with its own reader (miniz), which may read another central
+        # directory than Python's zipfile in a crafted archive: ask both.
+        if "constants.pkl" in records or _torch_sees_torchscript(file, start):
             raise UnsafeCheckpointError(
                 name,
                 "a TorchScript archive (torch.load would run it with torch.jit.load)",
