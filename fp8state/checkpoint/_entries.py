@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fp8state._walk import walk
 from fp8state.mixin import FP8StateMixin
 from fp8state.schema import EXTRA_STATE_KEY, is_extra_state_key
 
@@ -137,11 +138,11 @@ def iter_extra_states(obj: object, prefix: str = "") -> Iterator[tuple[str, obje
     """
     if not isinstance(obj, Mapping):
         return
-    for key, value in obj.items():
-        if not isinstance(key, str):
-            continue
-        full = f"{prefix}{key}"
-        if is_extra_state_key(key):
-            yield full, value
-        elif isinstance(value, Mapping):
-            yield from iter_extra_states(value, f"{full}.")
+
+    def descend(path: tuple[object, ...], value: object) -> bool:
+        # Mappings under string keys; an extra state's own value is not searched.
+        return isinstance(value, Mapping) and not (path and is_extra_state_key(str(path[-1])))
+
+    for path, value in walk(obj, descend):
+        if path and all(isinstance(k, str) for k in path) and is_extra_state_key(path[-1]):
+            yield prefix + ".".join(path), value

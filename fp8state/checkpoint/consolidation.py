@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8state._atomic_file import write_atomically
+from fp8state._walk import walk
 from fp8state.checkpoint._entries import iter_extra_states
 from fp8state.checkpoint._problems import keys_of, summarize
 from fp8state.checkpoint.dcp_files import load_dcp_state_dict
@@ -42,13 +43,7 @@ class ConsolidateResult:
 
 
 def _tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
+    return [value for _, value in walk(obj) if isinstance(value, torch.Tensor)]
 
 
 def _exists(out: str) -> CheckpointError:

@@ -51,7 +51,7 @@ def read_header(path: str) -> dict[str, Any] | None:
         raw = file.read(length)
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # a 200000-deep array included
         return None
     return header if isinstance(header, dict) else None
 

@@ -23,6 +23,7 @@ from typing import IO, Any
 import torch
 
 from fp8state._te.extra_state import decode_te_value
+from fp8state._walk import walk
 from fp8state.errors import FP8StateError, LegacyFormatError
 from fp8state.migrate import migration_report as rpt
 from fp8state.migrate.reader import ReadCheckpoint, read_checkpoint
@@ -103,14 +104,7 @@ def infer_num_gemms(members: Mapping[str, Any]) -> int | None:
 
 
 def _tensors_in(value: object) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
+    return (item for _, item in walk(value) if isinstance(item, torch.Tensor))
 
 
 def _locations(members: Mapping[str, Any], location_of: LocationOf | None) -> set[str]:

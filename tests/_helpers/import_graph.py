@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_payload_checks",
             "_layout",
             "_atomic_file",
+            "_walk",
             "schema",
             "backends",
         ),
