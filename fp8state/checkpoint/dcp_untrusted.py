@@ -91,6 +91,12 @@ _STATEFUL = tuple(
 )
 
 
+# Each dataclass's field names, looked up once (a large checkpoint's metadata builds thousands).
+_FIELDS: dict[type, frozenset[str]] = {
+    cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _STATEFUL
+}
+
+
 def _dataclass_setstate(inst: object, state: object) -> None:
     """``BUILD`` on a DCP metadata object: its own fields, nothing else."""
     if not isinstance(inst, _STATEFUL):
@@ -104,7 +110,7 @@ def _dataclass_setstate(inst: object, state: object) -> None:
     if own is not None:  # torch's own (TensorProperties): its fields from a tuple
         own(inst, state)
         return
-    names = {f.name for f in dataclasses.fields(inst)}  # type: ignore[arg-type]
+    names = _FIELDS.get(type(inst), frozenset())  # a subclass: no field may be set
     parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
     for part in parts:
         if part is None:
@@ -187,11 +193,15 @@ def _check_storage(metadata: Metadata, folder: str, key: str) -> None:
         )
     root = os.path.realpath(folder)
     sizes: dict[str, int] = {}
+    resolved: dict[object, str | None] = {}  # per file: thousands of items share a few
     for info in data.values():
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         shown = f"an item stored in {ascii(rel)[:120]} at offset {offset!r}, length {length!r}"
-        real = _inside(root, rel)
+        key_rel = rel if isinstance(rel, str) else id(rel)
+        if key_rel not in resolved:
+            resolved[key_rel] = _inside(root, rel)
+        real = resolved[key_rel]
         if real is None or type(offset) is not int or type(length) is not int:
             raise _outside(key, shown[:300])
         if offset < 0 or length < 0:

@@ -120,3 +120,22 @@ def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
     assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
+
+
+def test_dcp_metadata_read_benchmark_runs() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "dcp_metadata_read.py"),
+            "--entries",
+            "20",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["entries"] == 20 and result["allow_list_ms"] > 0 < result["plain_pickle_ms"]
