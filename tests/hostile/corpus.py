@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import os
 import pickle
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,22 @@ def stride_bomb(folder: Path) -> Path:
     return _save(folder, {**_state(), "bias": _View(0, (10**10, 3), (0, 1))})
 
 
+def storage_claims_terabytes(folder: Path) -> Path:
+    """A zip archive whose storage record says 10**12 elements; the record holds 64 bytes."""
+    path = _save(folder, {"bias": torch.zeros(16)})
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        files = {info.filename: archive.read(info) for info in infos}
+    name = next(n for n in files if n.endswith("data.pkl"))
+    numel = files[name].index(b"K\x10t")  # the storage's element count in its persistent id
+    huge = b"\x8a\x06" + (10**12).to_bytes(6, "little")
+    files[name] = files[name][:numel] + huge + files[name][numel + 2 :]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info in infos:
+            archive.writestr(info, files[info.filename])
+    return path
+
+
 def shadowing_state_dict(folder: Path) -> Path:
     state = collections.OrderedDict(_state())
     state.__dict__["keys"] = "shadow"
@@ -160,6 +177,7 @@ CORPUS: dict[str, tuple[Callable[[Path], Path], str, bool]] = {
     "gadget-storage-blob": (gadget_storage_blob, "file", True),
     "view-outside-storage": (view_outside_storage, "file", True),
     "stride-bomb": (stride_bomb, "file", True),
+    "storage-claims-terabytes": (storage_claims_terabytes, "file", True),
     "shadowing-state-dict": (shadowing_state_dict, "file", True),
     "parameter-with-hooks": (parameter_with_hooks, "file", True),
     "hostile-keys": (hostile_keys, "file", False),
