@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fp8state.checkpoint._coverage import check_coverage
 from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
+from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
 from fp8state.checkpoint.dcp_untrusted import (
     load_untrusted_dcp_state_dict,
     read_untrusted_metadata,
@@ -84,6 +84,7 @@ def read_metadata(path: str | os.PathLike[str], *, trusted: bool = False) -> Met
         metadata = dcp.FileSystemReader(os.fspath(path)).read_metadata()
     except Exception as err:  # DCP raises assorted pickle/EOF errors for a damaged file
         raise unreadable_metadata(path, err) from err
+    check_fields(metadata, path)
     check_coverage(metadata, path)
     return metadata
 

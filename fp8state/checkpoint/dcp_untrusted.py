@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from fp8state._te.unpickler import Unpickler, safe_torch_load
-from fp8state.checkpoint._coverage import check_coverage
 from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
     dcp_failure,
     unreadable_items,
     unreadable_metadata,
 )
+from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
 from fp8state.errors import (
     CheckpointError,
     FP8StateError,
@@ -171,6 +171,7 @@ def read_untrusted_metadata(path: str) -> Metadata:
             "DCP's Metadata object",
             "The checkpoint is corrupt, or the folder was not written by dcp.save.",
         )
+    check_fields(metadata, path)
     _check_storage(metadata, path, key)
     check_coverage(metadata, path)
     return metadata

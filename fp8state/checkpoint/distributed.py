@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fp8state.checkpoint._coverage import check_coverage
 from fp8state.checkpoint._dcp_errors import dcp_failure
+from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
 from fp8state.checkpoint._problems import (
     keys_of,
     missing_fp8_metadata,
@@ -310,6 +310,7 @@ def dcp_load(
         reader = dcp.FileSystemReader(where) if trusted else AllowListReader(where)
     with _dcp_call(where, "read"):
         md = reader.read_metadata()
+    check_fields(md, where)
     check_coverage(md, where)  # uncovered elements would keep the model's old values
     plan = _plan(get_model_state_dict(model), md, key, trusted)
     _raise_if(plan.mismatched + (plan.missing if strict else []), model, "keys and shapes")

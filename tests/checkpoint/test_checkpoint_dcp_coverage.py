@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import fp8state
 import fp8state.checkpoint as ckpt
-from fp8state.checkpoint._coverage import MAX_CHUNKS, check_coverage
+from fp8state.checkpoint._metadata_checks import MAX_CHUNKS, check_coverage
 from fp8state.errors import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -102,3 +102,31 @@ def test_a_sharded_save_still_covers_exactly(tmp_path: Path) -> None:
         dataclasses.replace(chunk, offsets=torch.Size([8, 0]), sizes=torch.Size([8, 16])),
     ]
     check_coverage(metadata, folder)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("state_dict_metadata", 5),
+        ("state_dict_metadata", {KEY: 5}),
+        ("state_dict_metadata", {3: None}),
+        ("planner_data", 7),
+    ],
+    ids=["items-not-a-dict", "item-not-metadata", "key-not-a-string", "planner-data"],
+)
+def test_metadata_fields_of_the_wrong_type_are_refused(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    folder = tmp_path / "dcp"
+    dcp.save(_model().state_dict(), checkpoint_id=str(folder), no_dist=True)
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    setattr(metadata, field, value)
+    with open(folder / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    for trusted in (False, True):
+        with pytest.raises(CheckpointError, match=field):
+            ckpt.read_dcp_metadata(folder, trusted=trusted)
+        with pytest.raises(CheckpointError, match=field):
+            ckpt.load_dcp_state_dict(folder, trusted=trusted)
+        with pytest.raises(CheckpointError, match=field):
+            ckpt.dcp_load(_model(), folder, trusted=trusted)

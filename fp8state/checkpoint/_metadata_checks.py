@@ -1,9 +1,11 @@
-"""Every element of every stored tensor comes from the checkpoint's bytes, exactly once.
+"""Checks of a DCP folder's metadata, made before any item is read.
 
-DCP reads a tensor chunk by chunk into a tensor the reader allocated (``torch.empty`` when
-consolidating, the model's own when loading): elements no chunk covers keep whatever was
-there, heap garbage or old weights, and overlapping chunks hide a gap. The metadata is
-checked before any item is read; a tensor whose chunks do not tile it exactly is refused.
+The fields every reader walks must have the types DCP writes, and every element of every
+stored tensor must come from the checkpoint's bytes, exactly once. DCP reads a tensor chunk
+by chunk into a tensor the reader allocated (``torch.empty`` when consolidating, the model's
+own when loading): elements no chunk covers keep whatever was there, heap garbage or old
+weights, and overlapping chunks hide a gap; a tensor whose chunks do not tile it exactly is
+refused.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ from __future__ import annotations
 import math
 import os
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from fp8state.checkpoint._dcp_errors import METADATA_FILE
 from fp8state.errors import CheckpointError
 
-__all__ = ["check_coverage", "MAX_CHUNKS"]
+__all__ = ["check_fields", "check_coverage", "MAX_CHUNKS"]
 
 #: Chunks one tensor may have (each pair is compared for overlap); DCP writes one per rank
 #: that holds a shard of it.
@@ -55,6 +61,34 @@ def _problem(size: tuple[int, ...], chunks: object) -> str | None:
             ):
                 return f"chunks at {a_off} and {b_off} that overlap"
     return None
+
+
+def check_fields(metadata: Metadata, folder: str | os.PathLike[str]) -> None:
+    """Raise unless the fields every reader walks have the types DCP writes.
+
+    ``state_dict_metadata``: a dict of string keys to tensor or bytes storage metadata;
+    ``planner_data``: a dict or None. (``storage_data`` is checked with the storage paths.)
+
+    Raises:
+        CheckpointError: naming the field and what it holds.
+    """
+    where = os.path.join(os.fspath(folder), METADATA_FILE)
+    items = metadata.state_dict_metadata
+    kinds = (TensorStorageMetadata, BytesStorageMetadata)
+    if not isinstance(items, dict):
+        found = f"state_dict_metadata of type {type(items).__name__}"
+    elif not all(isinstance(k, str) and isinstance(v, kinds) for k, v in items.items()):
+        found = "state_dict_metadata holding keys or items DCP does not write"
+    elif not isinstance(metadata.planner_data, (dict, type(None))):
+        found = f"planner_data of type {type(metadata.planner_data).__name__}"
+    else:
+        return
+    raise CheckpointError(
+        where,
+        found,
+        "DCP's metadata as dcp.save writes it",
+        "Nothing was read. The checkpoint is damaged or was crafted; use another.",
+    )
 
 
 def check_coverage(metadata: Metadata, folder: str | os.PathLike[str]) -> None:
