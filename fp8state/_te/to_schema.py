@@ -132,10 +132,12 @@ def _from_maxima(st: TEState) -> tuple[dict[str, Any], list[str]]:
     if st.fp8_max is None:
         return {}, ["fp8_format"]
     maxima: tuple[Any, ...] = tuple(st.fp8_max)
-    if maxima not in _MAXIMA:
+    # Numbers first: a list or dict in the file is unhashable, a tensor compares elementwise.
+    numbers = all(type(m) in (int, float) for m in maxima)
+    if not numbers or maxima not in _MAXIMA:
         raise LegacyFormatError(
             "['extra_fp8_variables'].fp8_max_bwd",
-            f"fp8 maxima {maxima} (fwd, bwd)",
+            f"fp8 maxima {ascii(maxima)[:120]} (fwd, bwd)",
             "(448, 57344) for HYBRID or (448, 448) for E4M3",
             "fp8state supports E4M3 and HYBRID only.",
         )

@@ -69,3 +69,11 @@ def test_a_strange_pickled_history_length_is_only_noted(
     _with_recipe_field(monkeypatch, "amax_history_len", value)
     fields = as_mapping(decode_te_extra_state(extra_state("E08", Spec(rows=16))[0]))
     assert int(fields["recipe.amax_history_len"]) == 16 == fields["fwd.amax_history"].shape[0]
+
+
+@pytest.mark.parametrize("value", [[448], {"a": 1}, torch.tensor([448.0]), "448"], ids=str)
+@pytest.mark.parametrize("era", ["E03", "E05"])
+def test_stored_fp8_maxima_of_the_wrong_type_are_refused(era: str, value: Any) -> None:
+    extra_state_value, _ = extra_state(era, Spec(extra={"fp8_max_fwd": value}))
+    with pytest.raises(LegacyFormatError, match="fp8 maxima"):
+        decode_te_extra_state(extra_state_value)
