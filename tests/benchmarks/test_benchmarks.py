@@ -90,17 +90,22 @@ def test_recorded_run_has_every_key() -> None:
     assert result["gpu"].startswith("NVIDIA H200")
 
 
-def _quick_run(script: str, tmp_path, timeout: int) -> dict:
-    out = tmp_path / "result.json"
-    out.write_text('{"earlier": 1}\n')  # --out merges its keys into what is there
+def _script(script: str, *args: str, timeout: int) -> str:
+    """Run ``benchmarks/SCRIPT ARGS...``; its stdout (the run must succeed)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / script), "--quick", "--device", "cpu"]
-        + ["--out", str(out)],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _quick_run(script: str, tmp_path, timeout: int) -> dict:
+    out = tmp_path / "result.json"
+    out.write_text('{"earlier": 1}\n')  # --out merges its keys into what is there
+    _script(script, "--quick", "--device", "cpu", "--out", str(out), timeout=timeout)
     result = json.loads(out.read_text())
     assert result.pop("earlier") == 1
     return result
@@ -123,19 +128,6 @@ def test_training_loop_benchmark_quick_run(tmp_path) -> None:
 
 
 def test_dcp_metadata_read_benchmark_runs() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "benchmarks" / "dcp_metadata_read.py"),
-            "--entries",
-            "20",
-            "--rounds",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    stdout = _script("dcp_metadata_read.py", "--entries", "20", "--rounds", "1", timeout=300)
+    result = json.loads(stdout)
     assert result["entries"] == 20 and result["allow_list_ms"] > 0 < result["plain_pickle_ms"]
