@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from fp8state._payload_checks import payload_key
+from fp8state._payload_checks import layout_problem, payload_key
 from fp8state.errors import SchemaError
 from fp8state.slots import BWD_SLOTS_PER_GEMM, DIRECTIONS, FWD_SLOTS_PER_GEMM
 
@@ -152,10 +152,11 @@ def from_packed(value: torch.Tensor) -> dict[str, torch.Tensor]:
         SchemaError: not a 1-D float32 tensor, a header that is not integers, or a length that
             its header's GEMM and row counts do not give.
     """
-    if value.is_nested or value.layout != torch.strided or value.is_quantized:
+    problem = layout_problem(value)
+    if problem is not None:
         raise SchemaError(
             "",
-            "a nested, sparse or quantized tensor",
+            problem,
             "a dense 1-D torch.float32 tensor (fp8state extra-state schema 2)",
             "Pass what an fp8state module's get_extra_state() returned.",
         )

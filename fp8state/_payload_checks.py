@@ -15,6 +15,7 @@ from fp8state.errors import SchemaError
 from fp8state.slots import BWD_SLOTS_PER_GEMM, DIRECTIONS, FWD_SLOTS_PER_GEMM
 
 __all__ = [
+    "layout_problem",
     "dense_problem",
     "payload_key",
     "check_flat",
@@ -24,12 +25,11 @@ __all__ = [
 ]
 
 
-def dense_problem(value: torch.Tensor) -> str | None:
-    """What keeps ``value`` from being read as plain dense data, or None if nothing does.
+def layout_problem(value: torch.Tensor) -> str | None:
+    """What keeps ``value`` from being read as a plain strided tensor, or None.
 
-    Nested, sparse, MKL-DNN and quantized tensors, and tensors on ``meta``, each fail in
-    their own way deep inside torch when read (or hold no data): one check, asked first,
-    wherever a tensor from a file is about to be read.
+    Nested, sparse, MKL-DNN and quantized tensors each fail in their own way deep inside torch
+    when read: one check, asked first, wherever a tensor from a file is about to be read.
     """
     if value.is_nested:
         return "a nested tensor"
@@ -37,9 +37,15 @@ def dense_problem(value: torch.Tensor) -> str | None:
         return f"a tensor of layout {value.layout}"
     if value.is_quantized:
         return "a quantized tensor"
-    if value.is_meta:
-        return "a tensor on the meta device (it holds no data)"
     return None
+
+
+def dense_problem(value: torch.Tensor) -> str | None:
+    """:func:`layout_problem`, and a tensor on ``meta`` (it holds no data), or None."""
+    problem = layout_problem(value)
+    if problem is None and value.is_meta:
+        return "a tensor on the meta device (it holds no data)"
+    return problem
 
 
 def payload_key(name: object) -> str:

@@ -59,7 +59,7 @@ def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = N
     if numel == 0:
         return
     last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     held = untyped.nbytes()
     if (last + 1) * item > held:
         raise _malformed(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fp8state._payload_checks import dense_problem
+from fp8state._payload_checks import layout_problem
 from fp8state.checkpoint._entries import Entry, KeyResolver, model_entries, walk_modules
 from fp8state.checkpoint._problems import (
     keys_of,
@@ -66,8 +66,7 @@ def _unusable(value: torch.Tensor) -> str | None:
     """
     if type(value) not in (torch.Tensor, nn.Parameter) and not _is_dtensor(value):
         return f"a {type(value).__name__} (a tensor subclass)"
-    problem = dense_problem(value)
-    return None if problem is not None and value.is_meta else problem  # meta: checked below
+    return layout_problem(value)  # a meta tensor: _check_tensor says why, in its own words
 
 
 def _bad_kind(key: str, found: str) -> CheckpointError:
