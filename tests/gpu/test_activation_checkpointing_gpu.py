@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers.checkpointing import MODES, checkpointed
 from _helpers.state import assert_same
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import fp8state
 from fp8state.backends import resolve_backend
 from fp8state.errors import RecomputationError
-from fp8state.functional import activation_checkpoint, fp8_linear
+from fp8state.functional import fp8_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,7 +37,6 @@ CUDA = torch.device("cuda")
 H = 64  # multiples of 16: torch._scaled_mm's alignment
 STEPS = 3
 FIELDS = ("amax_history", "scale", "scale_inv")
-MODES = ("torch-reentrant", "torch", "drop-in-reentrant", "drop-in")
 
 
 class TwoProjections(fp8state.FP8StateMixin):
@@ -85,15 +84,6 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
-def _checkpointed(mode: str, fn: Callable[..., Any], *args: Any) -> Any:
-    if mode == "none":
-        return fn(*args)
-    reentrant = mode.endswith("reentrant")
-    if mode.startswith("torch"):
-        return checkpoint(fn, *args, use_reentrant=reentrant)
-    return activation_checkpoint(fn, *args, use_reentrant=reentrant)
-
-
 def _inputs(step: int, count: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator(device=CUDA).manual_seed(step)
     return [
@@ -131,10 +121,10 @@ def _steps(kind: str, mode: str, autocast_inside: bool) -> list[dict]:
                 with fp8state.fp8_autocast():
                     return model(t)
 
-            y = _checkpointed(mode, fn, x)
+            y = checkpointed(mode, fn, x)
         else:
             with fp8state.fp8_autocast():
-                y = _checkpointed(mode, model, x)
+                y = checkpointed(mode, model, x)
         loss = y.float().pow(2).mean()
         loss.backward()
         seen.append(_observe(model, [loss], [x]))
@@ -162,7 +152,7 @@ def _micro_batches(mode: str, *, one_autocast: bool) -> list[dict]:
             for i, x in enumerate(inputs):
                 run = functools.partial(model, is_first_microbatch=i == 0)
                 with contextlib.nullcontext() if one_autocast else fp8state.fp8_autocast():
-                    losses.append(_checkpointed(mode, run, x).float().pow(2).mean())
+                    losses.append(checkpointed(mode, run, x).float().pow(2).mean())
                 losses[-1].backward()
         seen.append(_observe(model, losses, inputs))
     return seen
@@ -182,7 +172,7 @@ def _in_flight(mode: str) -> list[dict]:
         inputs, losses = _inputs(step, 2), []
         for x in inputs:
             with fp8state.fp8_autocast():
-                losses.append(_checkpointed(mode, model, x).float().pow(2).mean())
+                losses.append(checkpointed(mode, model, x).float().pow(2).mean())
         for loss in losses:
             loss.backward()
         seen.append(_observe(model, losses, inputs))
@@ -204,7 +194,7 @@ def _shared(mode: str) -> list[dict]:
     for step in range(STEPS):
         (x,) = _inputs(step)
         with fp8state.fp8_autocast():
-            y = _checkpointed(mode, model, torch.tanh(_checkpointed(mode, model, x)))
+            y = checkpointed(mode, model, torch.tanh(checkpointed(mode, model, x)))
         loss = y.float().pow(2).mean()
         loss.backward()
         seen.append(_observe(model, [loss], [x]))

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers.checkpointing import MODES, checkpointed
 from _helpers.models import TwoGemm
 from _helpers.state import assert_same
 from torch import nn
 from torch.autograd.graph import save_on_cpu
-from torch.utils.checkpoint import checkpoint
 
 import fp8state
 from fp8state.errors import RecomputationError
@@ -67,7 +67,6 @@ KINDS: dict[str, Callable[[], nn.Module]] = {
     "user-module": TwoProjections,
     "block-with-norms": _block,
 }
-MODES = ("torch-reentrant", "torch", "drop-in-reentrant", "drop-in")
 
 
 def _build(kind: str) -> nn.Module:
@@ -79,15 +78,6 @@ def _build(kind: str) -> nn.Module:
         if isinstance(module, fp8state.FP8StateMixin):
             module.fp8_min_gemm_macs = 0  # FP8 even at these sizes
     return model
-
-
-def _checkpointed(mode: str, fn: Callable[..., Any], *args: Any) -> Any:
-    if mode == "none":
-        return fn(*args)
-    reentrant = mode.endswith("reentrant")
-    if mode.startswith("torch"):
-        return checkpoint(fn, *args, use_reentrant=reentrant)
-    return activation_checkpoint(fn, *args, use_reentrant=reentrant)
 
 
 def _inputs(step: int, count: int = 1) -> list[torch.Tensor]:
@@ -136,7 +126,7 @@ def _one_step(model: nn.Module, mode: str, step: int, inside: bool = False) -> t
             return model(t)
 
     with contextlib.nullcontext() if inside else fp8state.fp8_autocast():
-        loss = _loss(_checkpointed(mode, fn, x))
+        loss = _loss(checkpointed(mode, fn, x))
     loss.backward()
     return [loss], [x]
 
@@ -160,7 +150,7 @@ def test_each_amax_is_recorded_once_per_step_and_the_replay_runs_fp8(mode: str) 
     for step in range(STEPS):
         (x,) = _inputs(step)
         with fp8state.fp8_autocast():
-            y = _checkpointed(mode, model, x)
+            y = checkpointed(mode, model, x)
         model.fp8_last_gemm_backend = "cleared"
         y.sum().backward()
         assert model.fp8_last_gemm_backend == "emulated"  # the recomputation ran in FP8
@@ -178,7 +168,7 @@ def _micro_batches(model: nn.Module, mode: str, step: int, *, each: bool, one: b
         for i, x in enumerate(inputs):
             run = functools.partial(model, is_first_microbatch=i == 0)
             with contextlib.nullcontext() if one else fp8state.fp8_autocast():
-                losses.append(_loss(_checkpointed(mode, run, x)))
+                losses.append(_loss(checkpointed(mode, run, x)))
             if each:
                 losses[-1].backward()
     if not each:
@@ -204,7 +194,7 @@ def _in_flight(model: nn.Module, mode: str, step: int, *, one_backward: bool) ->
     inputs, losses = _inputs(step, 2), []
     for x in inputs:
         with fp8state.fp8_autocast():
-            losses.append(_loss(_checkpointed(mode, model, x)))
+            losses.append(_loss(checkpointed(mode, model, x)))
     for loss in [torch.stack(losses).sum()] if one_backward else losses:
         loss.backward()
     return losses, inputs
@@ -235,7 +225,7 @@ def _shared(model: nn.Module, mode: str, step: int) -> tuple:
     """One module in two checkpointed segments of a step (weight sharing)."""
     (x,) = _inputs(step)
     with fp8state.fp8_autocast():
-        loss = _loss(_checkpointed(mode, model, torch.tanh(_checkpointed(mode, model, x))))
+        loss = _loss(checkpointed(mode, model, torch.tanh(checkpointed(mode, model, x))))
     loss.backward()
     return [loss], [x]
 
@@ -252,8 +242,8 @@ def _nested(model: nn.Module, mode: str, step: int) -> tuple:
     """A checkpoint inside a checkpointed function."""
     (x,) = _inputs(step)
     with fp8state.fp8_autocast():
-        outer = lambda t: model(_checkpointed(mode, model, t) * 0.5)  # noqa: E731
-        loss = _loss(_checkpointed(mode, outer, x))
+        outer = lambda t: model(checkpointed(mode, model, t) * 0.5)  # noqa: E731
+        loss = _loss(checkpointed(mode, outer, x))
     loss.backward()
     return [loss], [x]
 
@@ -272,7 +262,7 @@ def test_nested_torch_checkpoints_raise(mode: str) -> None:
 def _retained(model: nn.Module, mode: str, step: int) -> tuple:
     (x,) = _inputs(step)
     with fp8state.fp8_autocast():
-        loss = _loss(_checkpointed(mode, model, x))
+        loss = _loss(checkpointed(mode, model, x))
     loss.backward(retain_graph=True)
     loss.backward()  # a second recomputation of the same forward
     return [loss], [x]
@@ -295,7 +285,7 @@ def test_reentrant_torch_checkpoint_in_eval_mode_raises_and_the_drop_in_works() 
         model = _build("Linear").eval()
         (x,) = _inputs(0)
         with fp8state.fp8_autocast():
-            loss = _loss(_checkpointed(mode, model, x))
+            loss = _loss(checkpointed(mode, model, x))
         if mode == "torch-reentrant":
             with pytest.raises(RecomputationError, match="eval mode"):
                 loss.backward()
@@ -308,7 +298,7 @@ def test_reentrant_torch_checkpoint_in_eval_mode_raises_and_the_drop_in_works() 
 def _high_precision(model: nn.Module, mode: str, step: int, *, calibrating: bool) -> tuple:
     (x,) = _inputs(step)
     with fp8state.fp8_autocast(enabled=False, calibrating=calibrating):
-        loss = _loss(_checkpointed(mode, model, x))
+        loss = _loss(checkpointed(mode, model, x))
     loss.backward(retain_graph=not calibrating)
     if not calibrating:
         loss.backward()  # even a second recomputation: there is nothing FP8 to replay
@@ -330,7 +320,7 @@ def _cache_replaced(model: nn.Module, mode: str, step: int) -> tuple:
     for i, x in enumerate(inputs):
         with fp8state.fp8_autocast():
             run = functools.partial(model, is_first_microbatch=i != 1)
-            losses.append(_loss(_checkpointed(mode, run, x)))
+            losses.append(_loss(checkpointed(mode, run, x)))
     for loss in losses:
         loss.backward()
     return losses, inputs
@@ -364,7 +354,7 @@ def _under_hooks_or_no_grad(model: nn.Module, mode: str, step: int, *, offload: 
         return model(t * gate)
 
     with fp8state.fp8_autocast(), save_on_cpu() if offload else contextlib.nullcontext():
-        loss = _loss(_checkpointed(mode, fn, x))
+        loss = _loss(checkpointed(mode, fn, x))
     loss.backward()
     return [loss], [x]
 
@@ -398,7 +388,7 @@ def test_drop_in_refuses_a_recomputation_that_runs_other_calls() -> None:
 def test_a_module_recording_its_own_forward_amaxes_is_refused(mode: str) -> None:
     model = TwoGemm(hidden=H)  # records through fp8_record_amax, not fp8state.functional
     with pytest.raises(RecomputationError, match="fp8_linear") as caught:
-        _checkpointed(mode, model, _inputs(0)[0]).sum().backward()
+        checkpointed(mode, model, _inputs(0)[0]).sum().backward()
     assert caught.value.key == "TwoGemm.fp8_record_amax"
 
 
