@@ -26,8 +26,9 @@ from typing import IO, Any, BinaryIO
 
 import torch
 
-from fp8state._te import standins
-from fp8state._te.rebuild import checked_rebuild
+from fp8state._te.allowed import NAMES, refuse_call, setstate_checked
+from fp8state._te.hash_budget import budget_for
+from fp8state._te.hash_scan import check_hash_cost
 from fp8state.errors import FP8StateError, LegacyFormatError, UnsafeCheckpointError
 
 __all__ = [
@@ -45,111 +46,6 @@ _UNSAFE_FIX = (
     "trust this file, load it yourself (torch.load(..., weights_only=False)) and pass the state "
     "dict to fp8state.migrate.convert_te_state_dict."
 )
-
-
-def _latin1_encode(obj: object, encoding: object = "utf-8") -> bytes:
-    """``_codecs.encode`` restricted to what protocol-2 pickles use it for: bytes as latin-1."""
-    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
-        raise LegacyFormatError(
-            "",
-            f"_codecs.encode({type(obj).__name__}, {encoding!r})",
-            "_codecs.encode(str, 'latin1'), how protocol-2 pickles store bytes",
-            "The checkpoint is corrupt or was not written by torch.save/pickle.",
-        )
-    return obj.encode("latin-1")
-
-
-def _torch_allowed() -> dict[tuple[str, str], Any]:
-    allowed: dict[tuple[str, str], Any] = {
-        ("torch", "Size"): torch.Size,
-        # Building a device object neither touches nor initialises the device.
-        ("torch", "device"): torch.device,
-        ("torch.storage", "_load_from_bytes"): load_storage_blob,
-    }
-    # Positions of `backward_hooks` and of an explicit dtype in each rebuild function's
-    # arguments (the first four of a tensor's are storage, offset, size, stride).
-    for name, hooks_at, dtype_at in (
-        ("_rebuild_tensor", None, None),
-        ("_rebuild_tensor_v2", 5, None),
-        ("_rebuild_tensor_v3", 5, 6),
-        ("_rebuild_parameter", 2, None),
-        ("_rebuild_parameter_with_state", 2, None),
-    ):
-        allowed[("torch._utils", name)] = checked_rebuild(
-            getattr(torch._utils, name), hooks_at, dtype_at
-        )
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
-    # The storage marker torch.save writes for dtypes without a legacy storage class (float8,
-    # uint16 ...): torch.load compares it by identity. A marker only, never called
-    # (_MARKERS): calling it would allocate whatever size the file asks for.
-    allowed[("torch.storage", "UntypedStorage")] = torch.UntypedStorage
-    return allowed
-
-
-# Classes a pickle may name but never call or instantiate (REDUCE, NEWOBJ, OBJ, INST).
-_MARKERS: tuple[type, ...] = (torch.UntypedStorage,)
-
-
-def _refuse_call(target: object) -> None:
-    if isinstance(target, type) and issubclass(target, _MARKERS):
-        raise LegacyFormatError(
-            "",
-            f"a pickle calling {target.__module__}.{target.__name__}",
-            "that class named only as a storage type, as torch.save writes it",
-            "The checkpoint is corrupt or was crafted; nothing was executed.",
-        )
-
-
-#: Every global a pickle may name, as ``(module, name) -> object``. Storage classes
-#: (``torch.FloatStorage`` ...) are resolved by ``torch.load`` itself, as dtype markers.
-ALLOWED: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    # TE v0.3-v0.4 FP8 activation recompute buffers (te_formats.md, E02).
-    ("collections", "deque"): collections.deque,
-    ("builtins", "set"): set,
-    ("builtins", "complex"): complex,
-    # TE v0.12-v1.13 put an io.BytesIO object into the state dict (E06, E07).
-    ("_io", "BytesIO"): io.BytesIO,
-    ("io", "BytesIO"): io.BytesIO,
-    ("_codecs", "encode"): _latin1_encode,
-    **{(standins.TE_RECIPE_MODULE, name): cls for name, cls in standins.STANDINS.items()},
-}
-
-
-def _setstate_checked(inst: object, state: object) -> None:
-    """``BUILD``: the only types whose state a TE checkpoint legitimately restores."""
-    if type(inst) is io.BytesIO:
-        # BytesIO.__reduce__ state: (bytes, position, __dict__ or None). The dict is empty once
-        # anything looked an attribute up (DCP does before it saves one); nothing else is set.
-        ok = (
-            isinstance(state, tuple)
-            and len(state) == 3
-            and isinstance(state[0], (bytes, bytearray))
-            and isinstance(state[1], int)
-            and (state[2] is None or (type(state[2]) is dict and not state[2]))
-        )
-        if ok:
-            inst.__setstate__(state)  # type: ignore[attr-defined]
-            return
-    elif isinstance(inst, standins.TEObject):
-        inst.__setstate__(state)
-        return
-    elif type(inst) is collections.OrderedDict:
-        # state_dict() OrderedDicts carry one attribute, `_metadata` (module versions), and
-        # nothing else: an attribute named `keys`, `items` or `get` would shadow the mapping's
-        # methods for every reader after this one.
-        if isinstance(state, dict) and set(state) <= {"_metadata"}:
-            inst.__dict__.update(state)
-            return
-    raise LegacyFormatError(
-        "",
-        f"a pickle setting the state of a {type(inst).__name__} object",
-        "state only for io.BytesIO, OrderedDict and TE recipe objects",
-        "The checkpoint is corrupt or was crafted; nothing was executed.",
-    )
 
 
 # The pure-Python unpickler (typeshed only knows the C one, hence Any).
@@ -173,11 +69,12 @@ class Unpickler(_PyUnpickler):
 
     dispatch = dict(_PyUnpickler.dispatch)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, file: IO[bytes], *args: Any, **kwargs: Any) -> None:
+        super().__init__(file, *args, **kwargs)
         # id -> object for everything a call in this load made; the objects are kept, so an
         # id cannot be reused by another object while the load runs.
         self._created: dict[int, object] = {}
+        self._hashing = budget_for(file)
 
     def _made(self) -> None:
         made = self.stack[-1]
@@ -197,26 +94,59 @@ class Unpickler(_PyUnpickler):
 
     def setstate(self, inst: object, state: object) -> None:
         """``BUILD`` on an object this load created: the types TE checkpoints need."""
-        _setstate_checked(inst, state)
+        setstate_checked(inst, state)
 
     # Every opcode that calls or instantiates what find_class returned checks it first.
     def _load_reduce(self) -> None:
-        _refuse_call(self.stack[-2])
+        refuse_call(self.stack[-2])
+        self._charge_call(self.stack[-2], self.stack[-1])
         _PyUnpickler.load_reduce(self)
         self._made()
 
+    # Every opcode that hashes what the pickle built charges it to the load's budget first.
+    # After a MARK, `self.stack` holds exactly the items the opcode consumes.
+    def _charge(self, keys: Any) -> None:
+        for key in keys:
+            self._hashing.charge(key)
+
+    def _charge_call(self, target: object, args: object) -> None:
+        """The keys ``set(...)`` or ``OrderedDict(...)`` would hash."""
+        if target in (set, collections.OrderedDict) and isinstance(args, tuple) and args:
+            self._hashing.charge_items(args[0], pairs=target is not set)
+
+    def _load_setitem(self) -> None:
+        self._hashing.charge(self.stack[-2])
+        _PyUnpickler.load_setitem(self)
+
+    def _load_setitems(self) -> None:
+        self._charge(self.stack[0::2])
+        _PyUnpickler.load_setitems(self)
+
+    def _load_dict(self) -> None:
+        self._charge(self.stack[0::2])
+        _PyUnpickler.load_dict(self)
+
+    def _load_additems(self) -> None:
+        self._charge(self.stack)
+        _PyUnpickler.load_additems(self)
+
+    def _load_frozenset(self) -> None:
+        self._charge(self.stack)
+        _PyUnpickler.load_frozenset(self)
+
     def _load_newobj(self) -> None:
-        _refuse_call(self.stack[-2])
+        refuse_call(self.stack[-2])
         _PyUnpickler.load_newobj(self)
         self._made()
 
     def _load_newobj_ex(self) -> None:
-        _refuse_call(self.stack[-3])
+        refuse_call(self.stack[-3])
         _PyUnpickler.load_newobj_ex(self)
         self._made()
 
     def _instantiate(self, klass: Any, args: Any) -> None:  # OBJ and INST (protocols 0, 1)
-        _refuse_call(klass)
+        refuse_call(klass)
+        self._charge_call(klass, tuple(args))
         _PyUnpickler._instantiate(self, klass, args)
         self._made()
 
@@ -225,6 +155,11 @@ class Unpickler(_PyUnpickler):
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.SETITEM[0]] = _load_setitem
+    dispatch[pickle.SETITEMS[0]] = _load_setitems
+    dispatch[pickle.DICT[0]] = _load_dict
+    dispatch[pickle.ADDITEMS[0]] = _load_additems
+    dispatch[pickle.FROZENSET[0]] = _load_frozenset
 
     def find_class(self, module: str, name: str) -> Any:
         """Resolve ``module.name`` from the allow-list; never imports anything."""
@@ -343,6 +278,8 @@ def load_storage_blob(blob: object) -> Any:
             "bytes of a torch.save storage",
             "The checkpoint is corrupt or was crafted; nothing was executed.",
         )
+    # torch's reader hashes every key the blob's pickles build: bounded first.
+    check_hash_cost(bytes(blob), "a nested storage blob", pickles=5)
     try:
         storage = torch.load(io.BytesIO(blob), weights_only=True, map_location=_keep_on_cpu)
     except Exception as err:
@@ -406,4 +343,9 @@ def safe_torch_load(
         raise _undecodable("a checkpoint", err, "a torch.save archive") from None
 
 
-ALLOWED.update(_torch_allowed())
+#: Every global a pickle may name, as ``(module, name) -> object``: the names of
+#: :data:`fp8state._te.allowed.NAMES` and the nested storage reader above.
+ALLOWED: dict[tuple[str, str], Any] = {
+    **NAMES,
+    ("torch.storage", "_load_from_bytes"): load_storage_blob,
+}

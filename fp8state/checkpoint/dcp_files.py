@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
 from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
 from fp8state.checkpoint.dcp_untrusted import (
+    AllowListReader,
     load_untrusted_dcp_state_dict,
     read_untrusted_metadata,
 )
@@ -168,9 +169,9 @@ def load_dcp_state_dict(
     _require_dcp(path)
     if not trusted:
         return load_untrusted_dcp_state_dict(path, keys)
-    read_metadata(path, trusted=True)  # every tensor covered exactly, before any read
+    metadata = read_metadata(path, trusted=True)  # every tensor covered, before any read
     try:
-        return _load_with_empty_planner(path, keys)
+        return _load_with_empty_planner(path, keys, metadata)
     except ImportError:
         # _EmptyStateDictLoadPlanner is private; if a torch release drops it, go through the
         # public converter (one extra copy on disk) so reading keeps working.
@@ -179,7 +180,9 @@ def load_dcp_state_dict(
         return _load_via_torch_save(path)
 
 
-def _load_with_empty_planner(path: str | os.PathLike[str], keys: set[str] | None) -> Any:
+def _load_with_empty_planner(
+    path: str | os.PathLike[str], keys: set[str] | None, metadata: Metadata
+) -> Any:
     # Private but stable: torch's own public dcp_to_torch_save is exactly this call. The
     # public dcp.load cannot do it: it copies the (empty) dict it is given and fills the copy.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -189,7 +192,8 @@ def _load_with_empty_planner(path: str | os.PathLike[str], keys: set[str] | None
     try:
         _load_state_dict(
             state,
-            storage_reader=dcp.FileSystemReader(os.fspath(path)),
+            # The metadata read above (DCP's own reader would unpickle the file again).
+            storage_reader=AllowListReader(os.fspath(path), metadata=metadata),
             planner=_EmptyStateDictLoadPlanner(keys=keys),
             no_dist=True,
         )

@@ -11,231 +11,32 @@ command of the CLI) reads folders this way unless called with ``trusted=True``.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import io
 import os
-import pathlib
 import warnings
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from fp8state._te.unpickler import Unpickler, safe_torch_load
+from fp8state._te.unpickler import safe_torch_load
 from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
     dcp_failure,
     unreadable_items,
-    unreadable_metadata,
 )
-from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
+from fp8state.checkpoint._dcp_metadata import UNTRUSTED_FIX, read_untrusted_metadata
 from fp8state.errors import (
     CheckpointError,
     FP8StateError,
-    LegacyFormatError,
     UnsafeCheckpointError,
 )
 
 __all__ = ["load_untrusted_dcp_state_dict", "AllowListReader", "read_untrusted_metadata"]
-
-_FIX = (
-    "Nothing was executed. If you trust this folder, opt into DCP's own reader, which "
-    "unpickles it with plain pickle: trusted=True (load_dcp_state_dict, dcp_load, consolidate) "
-    "or fp8state consolidate --trusted."
-)
-
-
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """What ``.metadata`` may name: classes and look-ups that run no code from the file."""
-    allowed: dict[tuple[str, str], Any] = {("torch", "Size"): torch.Size}
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    ):
-        allowed[(dcp_metadata.__name__, name)] = getattr(dcp_metadata, name)
-    # Private names of torch's: a release without them writes no pickle that names them.
-    for module, name in (
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),  # a layout by name, as weights_only allows
-    ):
-        found = getattr(importlib.import_module(module), name, None)
-        if found is not None:
-            allowed[(module, name)] = found
-    for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-        allowed[("pathlib", name)] = getattr(pathlib, name)  # StorageMeta.checkpoint_id
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
-    return allowed
-
-
-_ALLOWED = _allowed_globals()
-
-
-# The metadata classes whose instances a pickle may give state to (BUILD): DCP's dataclasses.
-_STATEFUL = tuple(
-    v for v in _ALLOWED.values() if isinstance(v, type) and dataclasses.is_dataclass(v)
-)
-
-
-# Each dataclass's field names, looked up once (a large checkpoint's metadata builds thousands).
-_FIELDS: dict[type, frozenset[str]] = {
-    cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _STATEFUL
-}
-
-
-def _dataclass_setstate(inst: object, state: object) -> None:
-    """``BUILD`` on a DCP metadata object: its own fields, nothing else."""
-    if not isinstance(inst, _STATEFUL):
-        raise LegacyFormatError(
-            "",
-            f"a pickle setting the state of a {type(inst).__name__} object",
-            "state only for DCP's metadata dataclasses",
-            "The checkpoint is corrupt or was crafted; nothing was executed.",
-        )
-    own = getattr(type(inst), "__setstate__", None)
-    if own is not None:  # torch's own (TensorProperties): its fields from a tuple
-        own(inst, state)
-        return
-    names = _FIELDS.get(type(inst), frozenset())  # a subclass: no field may be set
-    parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-    for part in parts:
-        if part is None:
-            continue
-        if not isinstance(part, dict) or not all(k in names for k in part):
-            shown = ascii(sorted(map(str, part)) if isinstance(part, dict) else part)[:120]
-            raise LegacyFormatError(
-                "",
-                f"state {shown} for a {type(inst).__name__}",
-                f"a dict of its fields {sorted(names)}",
-                "The checkpoint is corrupt or was crafted; nothing was executed.",
-            )
-        for name, value in part.items():
-            object.__setattr__(inst, name, value)  # frozen dataclasses too, as pickle does
-
-
-class _MetadataUnpickler(Unpickler):
-    """fp8state's allow-list unpickler with DCP's metadata classes as its allow-list."""
-
-    def __init__(self, file: IO[bytes], key: str) -> None:
-        super().__init__(file)
-        self._key = key
-
-    def setstate(self, inst: object, state: object) -> None:
-        """``BUILD``: fields of DCP's metadata dataclasses only."""
-        _dataclass_setstate(inst, state)
-
-    def find_class(self, module: str, name: str) -> Any:
-        """Resolve ``module.name`` from the allow-list; never imports anything."""
-        found = _ALLOWED.get((module, name))
-        if found is None:
-            shown = ascii(f"{module}.{name}")[1:-1][:120]  # one line, whatever the file holds
-            raise UnsafeCheckpointError(
-                self._key,
-                f"a pickled reference to {shown}",
-                "only torch.distributed.checkpoint's metadata classes, sizes, dtypes and paths",
-                _FIX,
-            )
-        return found
-
-
-def read_untrusted_metadata(path: str) -> Metadata:
-    """DCP's ``Metadata`` of the folder ``path``, unpickled through the allow-list."""
-    key = os.path.join(path, METADATA_FILE)
-    try:
-        with open(key, "rb") as file:
-            metadata = _MetadataUnpickler(file, key).load()
-    except LegacyFormatError as err:  # a refused BUILD or call: name the file
-        raise UnsafeCheckpointError(key, err.found, err.expected, _FIX) from None
-    except (FP8StateError, OSError):
-        raise
-    except Exception as err:  # truncated or random bytes raise anything from EOFError on
-        raise unreadable_metadata(path, err) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(
-            key,
-            f"a pickled {type(metadata).__name__}",
-            "DCP's Metadata object",
-            "The checkpoint is corrupt, or the folder was not written by dcp.save.",
-        )
-    check_fields(metadata, path)
-    _check_storage(metadata, path, key)
-    check_coverage(metadata, path)
-    return metadata
-
-
-def _check_storage(metadata: Metadata, folder: str, key: str) -> None:
-    """Every item's bytes in a regular file inside ``folder``, within its size.
-
-    DCP opens ``folder / relative_path`` and reads ``length`` bytes at ``offset``: a crafted
-    ``.metadata`` naming ``/dev/zero``, ``../secret`` or a symbolic link out of the folder
-    would read there. Checked before any item file is opened (``os.stat`` opens nothing).
-    """
-    data = metadata.storage_data
-    if not isinstance(data, dict):
-        raise CheckpointError(
-            key,
-            f"storage data of type {type(data).__name__}",
-            "a dict of where each item is stored",
-            "The checkpoint is corrupt, or the folder was not written by dcp.save.",
-        )
-    root = os.path.realpath(folder)
-    sizes: dict[str, int] = {}
-    resolved: dict[object, str | None] = {}  # per file: thousands of items share a few
-    for info in data.values():
-        rel = getattr(info, "relative_path", None)
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        shown = f"an item stored in {ascii(rel)[:120]} at offset {offset!r}, length {length!r}"
-        key_rel = rel if isinstance(rel, str) else id(rel)
-        if key_rel not in resolved:
-            resolved[key_rel] = _inside(root, rel)
-        real = resolved[key_rel]
-        if real is None or type(offset) is not int or type(length) is not int:
-            raise _outside(key, shown[:300])
-        if offset < 0 or length < 0:
-            raise _outside(key, shown[:300])
-        if real not in sizes:
-            if not os.path.lexists(real):  # missing: damaged, as DCP's own reader says
-                missing = FileNotFoundError(2, "No such file or directory", real)
-                raise unreadable_items(folder, missing)
-            if not os.path.isfile(real):  # a folder, a device, a pipe
-                raise _outside(key, shown[:300])
-            sizes[real] = os.stat(real).st_size
-        if offset + length > sizes[real]:
-            short = EOFError(f"{real} holds {sizes[real]} bytes, items reach {offset + length}")
-            raise unreadable_items(folder, short)
-
-
-def _inside(root: str, rel: object) -> str | None:
-    """``root / rel`` resolved, if ``rel`` is a relative path that stays inside ``root``."""
-    if not isinstance(rel, str) or rel == "" or "\x00" in rel or os.path.isabs(rel):
-        return None
-    if ".." in pathlib.PurePath(rel).parts:
-        return None
-    real = os.path.realpath(os.path.join(root, rel))  # symbolic links followed
-    return real if os.path.commonpath([root, real]) == root else None
-
-
-def _outside(key: str, found: str) -> UnsafeCheckpointError:
-    return UnsafeCheckpointError(
-        key,
-        found,
-        "bytes of a regular file inside the checkpoint folder",
-        "Nothing was opened. The checkpoint was crafted, or its folder holds links out of it.",
-    )
 
 
 class AllowListReader(dcp.FileSystemReader):
@@ -244,11 +45,20 @@ class AllowListReader(dcp.FileSystemReader):
     Tensor items are read as DCP reads them (``torch.load(weights_only=True)``); a load that
     asks for non-tensor items must read them through fp8state's unpickler too (the planner
     of :func:`load_untrusted_dcp_state_dict` does; ``dcp_load`` refuses them).
+
+    Args:
+        path: The checkpoint folder.
+        metadata: What :func:`read_untrusted_metadata` returned for ``path``, when the caller
+            has read it already (reading it is most of the cost of opening a large folder).
     """
+
+    def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata`` safely, then stamp it as ``FileSystemReader.read_metadata`` does."""
-        metadata = read_untrusted_metadata(os.fspath(self.path))
+        metadata = self._metadata or read_untrusted_metadata(os.fspath(self.path))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -269,7 +79,7 @@ class _AllowListPlanner(DefaultLoadPlanner):
         try:
             self.state_dict[fqn] = safe_torch_load(value)
         except UnsafeCheckpointError as err:
-            raise UnsafeCheckpointError(key, err.found, err.expected, _FIX) from None
+            raise UnsafeCheckpointError(key, err.found, err.expected, UNTRUSTED_FIX) from None
         except FP8StateError as err:  # undecodable bytes, as DCP's reader would fail on them
             raise CheckpointError(
                 key,
@@ -371,7 +181,7 @@ def load_untrusted_dcp_state_dict(
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 flat,
-                storage_reader=AllowListReader(source),
+                storage_reader=AllowListReader(source, metadata=metadata),
                 planner=_AllowListPlanner(source),
                 no_dist=True,
             )

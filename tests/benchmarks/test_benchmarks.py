@@ -131,3 +131,13 @@ def test_dcp_metadata_read_benchmark_runs() -> None:
     stdout = _script("dcp_metadata_read.py", "--entries", "20", "--rounds", "1", timeout=300)
     result = json.loads(stdout)
     assert result["entries"] == 20 and result["allow_list_ms"] > 0 < result["plain_pickle_ms"]
+
+
+def test_untrusted_load_benchmark_runs() -> None:
+    stdout = _script(
+        "untrusted_load.py", "--tensors", "8", "--elements", "16", "--rounds", "1", timeout=300
+    )
+    result = json.loads(stdout)
+    assert result["tensors"] == 8 and result["bytes"] == 8 * 16 * 4
+    assert result["dcp"]["ratio"] > 0 < result["dcp"]["ratio_trusted"]
+    assert result["file"]["ratio"] > 0

@@ -170,6 +170,42 @@ def dcp_build_on_class(folder: Path) -> Path:
     return path
 
 
+def tuple_dag(depth: int) -> bytes:
+    """Pickle opcodes pushing a tuple that holds the one below twice, ``depth`` deep.
+
+    A few bytes per level (the memo shares each level); hashing the result visits 2**depth
+    leaves. Memo slots 0 to ``depth`` are used.
+    """
+    out = b"K\x01\x85q\x00"  # (1,), memo 0, left on the stack
+    for level in range(depth):  # (top, memo copy of top)
+        out += b"h" + bytes([level]) + b"\x86q" + bytes([level + 1])
+    return out
+
+
+def hash_bomb_key(folder: Path) -> Path:
+    """A torch.save archive whose pickle is a dict keyed by a 48-deep shared tuple."""
+    path = _save(folder, {"bias": torch.zeros(2)})
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        files = {info.filename: archive.read(info) for info in infos}
+    name = next(n for n in files if n.endswith("data.pkl"))
+    files[name] = b"\x80\x02}" + tuple_dag(48) + b"K\x01s."
+    with zipfile.ZipFile(path, "w") as archive:
+        for info in infos:
+            archive.writestr(info, files[info.filename])
+    return path
+
+
+def dcp_hash_bomb_key(folder: Path) -> Path:
+    """``.metadata`` whose ``state_dict_metadata`` is keyed by a 48-deep shared tuple."""
+    path = _dcp(folder)
+    (path / ".metadata").write_bytes(
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81}"
+        b"X\x13\x00\x00\x00state_dict_metadata}" + tuple_dag(48) + b"K\x01ssb."
+    )
+    return path
+
+
 #: name -> (builder, "file" or "dcp", refused: whether every reader must refuse it).
 CORPUS: dict[str, tuple[Callable[[Path], Path], str, bool]] = {
     "gadget-outer": (gadget_outer, "file", True),
@@ -186,4 +222,6 @@ CORPUS: dict[str, tuple[Callable[[Path], Path], str, bool]] = {
     "dcp-path-traversal": (dcp_path_traversal, "dcp", True),
     "dcp-uncovered-chunks": (dcp_uncovered_chunks, "dcp", True),
     "dcp-build-on-class": (dcp_build_on_class, "dcp", True),
+    "hash-bomb-key": (hash_bomb_key, "file", True),
+    "dcp-hash-bomb-key": (dcp_hash_bomb_key, "dcp", True),
 }

@@ -1,0 +1,124 @@
+"""A bound on the hashing a pickle can make its reader do: no hash bombs.
+
+Python does not cache the hash of a tuple. A pickle of a few hundred bytes can build a tuple
+that holds the same tuple twice, that one the next, and so on 48 deep (the memo shares them):
+hashing it, as a dict key or a set element, visits 2**48 leaves. Keys of a few thousand
+elements referenced a million times through the memo cost as much. Before the unpickler
+hashes anything it charges the key here: each key's elements are counted, without a memo,
+against one budget per load, and a key whose hash is not known to be cheap is refused. The
+budget grows with the file (:func:`budget_for`): what a valid pickle hashes is proportional
+to its size (a DCP checkpoint's metadata hashes about one element per eight bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import os
+from typing import IO
+
+import torch
+
+from fp8state.errors import LegacyFormatError
+
+__all__ = ["BASE_HASHED_ELEMENTS", "HashBudget", "budget_for"]
+
+#: How many elements any load may hash, plus one per byte of the pickle read.
+BASE_HASHED_ELEMENTS = 1 << 20
+
+# Hashes that cost one step: cached (str, bytes), constant size, or the object's identity.
+_ATOMS = frozenset({str, bytes, bool, float, complex, type(None), torch.dtype, torch.layout})
+_ATOMS |= {torch.device, torch.memory_format}
+
+
+def _refused(what: str) -> LegacyFormatError:
+    return LegacyFormatError(
+        "",
+        what,
+        "dict keys and set elements of strings, numbers, small tuples or objects",
+        "The checkpoint is corrupt or was crafted; nothing was executed.",
+    )
+
+
+class HashBudget:
+    """Counts what one load hashes; refuses keys past ``limit`` elements in all.
+
+    Args:
+        limit: Elements the load may hash in all.
+
+    Example:
+        >>> budget = HashBudget(limit=8)
+        >>> budget.charge(("a", 1))
+        >>> budget.left
+        5
+    """
+
+    def __init__(self, limit: int = BASE_HASHED_ELEMENTS) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def _spent(self) -> LegacyFormatError:
+        limit = f"{self.limit:,}"
+        return _refused(f"dict keys and set elements whose hashing visits over {limit} elements")
+
+    def charge_items(self, items: object, pairs: bool) -> None:
+        """Charge what ``set(items)`` (``pairs=False``) or ``OrderedDict(items)`` hashes.
+
+        Args:
+            items: The call's first argument.
+            pairs: Whether ``items`` holds ``(key, value)`` pairs (a mapping's are its keys).
+        """
+        if not isinstance(items, (list, tuple, dict, set, frozenset)):
+            return  # the call refuses it before hashing anything
+        pairs = pairs and not isinstance(items, dict)
+        for item in items:
+            self.charge(item[0] if pairs and isinstance(item, (tuple, list)) and item else item)
+
+    def charge(self, key: object) -> None:
+        """Count the elements hashing ``key`` visits, tuples inside tuples once per path.
+
+        Raises:
+            LegacyFormatError: the budget is spent, or ``key`` is of a type whose hash is
+                not known to be cheap.
+        """
+        stack = [key]
+        while stack:
+            obj = stack.pop()
+            self.left -= 1
+            if self.left < 0:
+                raise self._spent()
+            kind = type(obj)
+            if kind in _ATOMS:
+                continue
+            if isinstance(obj, int):  # hashing an int reads each of its digits
+                self.left -= obj.bit_length() >> 6
+            elif isinstance(obj, (tuple, frozenset)):  # torch.Size and named tuples too
+                if len(obj) > self.left:
+                    raise self._spent()
+                stack.extend(obj)
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                # A generated __hash__ hashes the fields (in the instance dict, or in slots).
+                held = getattr(obj, "__dict__", None)
+                if held is None:
+                    stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+                else:
+                    stack.extend(held.values())
+            elif isinstance(obj, (torch.Tensor, enum.Enum)) or kind.__hash__ is object.__hash__:
+                continue  # identity, or an enum member's name
+            else:
+                raise _refused(f"a dict key or set element of type {kind.__name__}")
+
+
+def budget_for(file: IO[bytes]) -> HashBudget:
+    """The budget of a load from ``file``: :data:`BASE_HASHED_ELEMENTS` plus its size in bytes."""
+    size = 0
+    if isinstance(file, io.BytesIO):
+        with file.getbuffer() as view:  # released at once: the file stays resizable
+            size = view.nbytes
+    else:
+        try:
+            size = os.fstat(file.fileno()).st_size
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            pass  # a stream of unknown size: the base budget
+    return HashBudget(BASE_HASHED_ELEMENTS + size)
