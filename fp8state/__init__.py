@@ -7,6 +7,7 @@ from fp8state import errors
 from fp8state._version import __version__
 from fp8state.autocast import fp8_autocast, is_fp8_enabled
 from fp8state.convert import convert_model, plan_conversion
+from fp8state.export import export_fp8
 from fp8state.formats import Format
 from fp8state.functional import activation_checkpoint
 from fp8state.graphs import make_graphed_callables
@@ -33,6 +34,7 @@ __all__ = [
     "autocast_forward",
     "activation_checkpoint",
     "make_graphed_callables",
+    "export_fp8",
     "convert_model",
     "plan_conversion",
     "recalibrate",

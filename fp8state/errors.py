@@ -23,6 +23,7 @@ __all__ = [
     "ConversionError",
     "ConfigError",
     "RecomputationError",
+    "ExportError",
 ]
 
 
@@ -150,6 +151,14 @@ class ConversionError(FP8StateError, ValueError):
 
 class ConfigError(FP8StateError, ValueError):
     """A module or function was given arguments it cannot work with."""
+
+
+class ExportError(FP8StateError, ValueError):
+    """A model or checkpoint cannot be exported as an FP8 inference checkpoint as asked.
+
+    Raised before anything is written: a module that never ran in FP8, a scale that is not
+    finite and positive, a shape FP8 GEMMs cannot take, an existing output folder.
+    """
 
 
 class RecomputationError(FP8StateError, RuntimeError):

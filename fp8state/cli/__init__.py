@@ -26,6 +26,7 @@ _COMMANDS = {
     "inspect": "fp8state.cli.inspect_cmd",
     "migrate": "fp8state.cli.migrate_cmd",
     "consolidate": "fp8state.cli.consolidate_cmd",
+    "export": "fp8state.cli.export_cmd",
 }
 
 #: Exit code for an FP8StateError (bad or unsafe input); argparse uses 2 for bad usage.

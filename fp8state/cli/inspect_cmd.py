@@ -20,13 +20,15 @@ from fp8state.checkpoint.safetensors_files import holds_fp8_metadata, read_heade
 from fp8state.cli._paths import existing_path
 from fp8state.cli._terminal import say
 from fp8state.errors import CheckpointError
+from fp8state.export import describe_export, read_export
 from fp8state.migrate.summary import CheckpointSummary, summarize_checkpoint
 
 NAME = "inspect"
 HELP = (
     "Show each FP8 module of a checkpoint (fp8state or TransformerEngine, any era; a torch.save "
     "file, a DCP folder, or an FP8 metadata .safetensors file): era, slots, history length, "
-    "scale and amax ranges, recipe, and the devices its tensors were saved on."
+    "scale and amax ranges, recipe, and the devices its tensors were saved on; or the FP8 "
+    "layers and scales of a folder fp8state export wrote."
 )
 
 
@@ -44,12 +46,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the table (or JSON); errors propagate to the CLI's one-line handler."""
     existing_path(args.path, "a torch.save file, a DCP folder or an FP8 metadata .safetensors file")
+    quant = read_export(args.path) if os.path.isdir(args.path) else None
+    if quant is not None:  # a folder fp8state export wrote
+        described = describe_export(args.path, quant)
+        if args.json:
+            print(json.dumps(described, indent=2))
+        else:
+            say(*_export_lines(args.path, described))
+        return 0
     summary = _summarize(args.path)
     if args.json:
         print(json.dumps(summary.to_dict(), indent=2))  # escapes control characters itself
     else:
         say(*summary.table_lines())
     return 0
+
+
+def _export_lines(path: str, described: dict) -> list[str]:
+    lines = [f"{path}: {described['format']} FP8 export, {len(described['layers'])} FP8 layers"]
+    lines.append(f"{'layer':<48} {'shape':>14} {'weight_scale':>13} {'input_scale':>13}")
+    for name, layer in described["layers"].items():
+        shape = "x".join(map(str, layer["shape"]))
+        lines.append(
+            f"{name:<48} {shape:>14} {layer['weight_scale']:>13.6g} {layer['input_scale']:>13.6g}"
+        )
+    lines.append(f"in the training dtype (ignore): {', '.join(described['ignore']) or 'none'}")
+    return lines
 
 
 def _summarize(path: str) -> CheckpointSummary:

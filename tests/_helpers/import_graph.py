@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mixin", ("mixin", "autocast")),
     ("functional", ("functional",)),
     ("modules", ("modules",)),
-    ("model-level", ("convert", "recalibration", "checkpoint", "graphs")),
+    ("model-level", ("convert", "recalibration", "checkpoint", "graphs", "export")),
     ("migration", ("migrate",)),
     ("integrations", ("integrations",)),
     ("cli", ("cli",)),

@@ -1,0 +1,211 @@
+"""Export a model trained in FP8 as an FP8 inference checkpoint (compressed-tensors).
+
+:func:`export_fp8` writes a Hugging Face style folder that serving stacks (vLLM, SGLang,
+``transformers`` with ``compressed-tensors``) read as a per-tensor static FP8 model: each
+converted linear layer's weight in ``float8_e4m3fn`` with its ``weight_scale`` (from the weight
+itself) and ``input_scale`` (from the forward input's amax history, as the recipe computes it
+in training), everything else in the training dtype. docs/export.md describes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fp8state.errors import ConfigError, ExportError
+from fp8state.export._compressed_tensors import (
+    FORMAT_NAME,
+    QUANT_METHOD,
+    quantization_config,
+    quantized_tensors,
+)
+from fp8state.export._architecture import linear_names
+from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, write_folder
+from fp8state.export._inspect import describe_export
+from fp8state.export._layers import Plan, plan_from_model, plan_from_state_dict
+from fp8state.export._scales import InputScaleRule
+
+__all__ = [
+    "export_fp8",
+    "export_state_dict",
+    "read_export",
+    "describe_export",
+    "linear_names",
+    "ExportReport",
+    "FORMATS",
+    "CONFIG_FILE",
+]
+
+#: The formats :func:`export_fp8` writes.
+FORMATS = ("compressed-tensors",)
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote.
+
+    Attributes:
+        out_dir: The folder.
+        scales: Per converted layer, ``(weight_scale, input_scale)`` as written.
+        ignored: Modules left in the training dtype, as listed in ``ignore``.
+        kept: FP8 modules not converted, with the reason.
+    """
+
+    out_dir: str
+    scales: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ConfigError("format", repr(format), f"one of {FORMATS}", "Pass 'compressed-tensors'.")
+
+
+def _copied(copy_from: str | os.PathLike[str] | None) -> list[str]:
+    if copy_from is None:
+        return []
+    folder = os.fspath(copy_from)
+    return [
+        os.path.join(folder, n) for n in COPIED_FILES if os.path.isfile(os.path.join(folder, n))
+    ]
+
+
+def _write(
+    plan: Plan,
+    out_dir: str,
+    base_config: Mapping[str, Any],
+    rule: InputScaleRule,
+    copy_from: Iterable[str],
+    overwrite: bool,
+) -> ExportReport:
+    tensors = quantized_tensors(plan, rule)
+    names = {layer.name for layer in plan.layers}
+    # Every module left with a weight in the training dtype (embeddings, norms, layers not
+    # converted): compressed-tensors matches "Linear" targets, and skips these.
+    ignored = sorted(
+        {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")} - names - {"weight"}
+    )
+    config = {**base_config, "quantization_config": quantization_config(ignored)}
+    write_folder(out_dir, tensors, config, copy_from, overwrite)
+    scales = {
+        n: (tensors[f"{n}.weight_scale"].item(), tensors[f"{n}.input_scale"].item())
+        for n in sorted(names)
+    }
+    return ExportReport(out_dir, scales, ignored, dict(plan.kept))
+
+
+def export_fp8(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    format: str = "compressed-tensors",
+    config: Mapping[str, Any] | None = None,
+    copy_from: str | os.PathLike[str] | None = None,
+    window: int | None = None,
+    percentile: float | None = None,
+    exclude: Iterable[str] = (),
+    overwrite: bool = False,
+) -> ExportReport:
+    """Write ``model`` as an FP8 inference checkpoint folder.
+
+    Args:
+        model: A model holding fp8state modules that ran in FP8 (trained or calibrated).
+        out_dir: The folder to write; it must not exist unless ``overwrite``.
+        format: ``"compressed-tensors"`` (per-tensor static FP8, ``float-quantized``).
+        config: The model config written to ``config.json`` (a Hugging Face model's own
+            ``model.config`` by default; none for other models: ``config.json`` then holds
+            only the ``quantization_config``).
+        copy_from: A folder whose tokenizer and generation files are copied in.
+        window: Steps of amax history the input scale is taken from (the recipe's
+            ``amax_history_len`` by default).
+        percentile: Take the input amax as this percentile of the recorded amaxes in the
+            window instead of the recipe's ``max`` or ``most_recent``.
+        exclude: Module names to leave in the training dtype.
+        overwrite: Replace an existing ``out_dir``.
+
+    Returns:
+        What was written, with every scale.
+
+    Raises:
+        ExportError: a module that never ran in FP8, a non-finite or zero scale, a weight
+            shape FP8 GEMMs cannot take, an existing ``out_dir``; nothing is written.
+        ConfigError: an unknown ``format``, ``window`` or ``percentile``.
+    """
+    _check_format(format)
+    rule = InputScaleRule(window, percentile)
+    out = os.fspath(out_dir)
+    check_target(out, overwrite)
+    if config is None:
+        to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+        config = to_dict() if callable(to_dict) else {}
+    plan = plan_from_model(model, set(exclude))
+    return _write(plan, out, config, rule, _copied(copy_from), overwrite)
+
+
+def export_state_dict(
+    state: Mapping[str, object],
+    out_dir: str | os.PathLike[str],
+    *,
+    config: Mapping[str, Any],
+    linear_names: set[str],
+    copy_from: str | os.PathLike[str] | None = None,
+    window: int | None = None,
+    percentile: float | None = None,
+    exclude: Iterable[str] = (),
+    overwrite: bool = False,
+) -> ExportReport:
+    """:func:`export_fp8` of a flat state dict with ``<module>._extra_state`` entries.
+
+    A state dict does not say which weights are ``nn.Linear``'s (``(out, in)``) and which are
+    laid out otherwise (GPT-2's ``Conv1D`` stores ``(in, out)``): ``linear_names`` says, and a
+    layer outside it is refused rather than written transposed.
+
+    Args:
+        state: The state dict (weights and FP8 metadata).
+        out_dir: The folder to write.
+        config: The model config for ``config.json``.
+        linear_names: Names of the model's ``nn.Linear`` modules (from its architecture).
+        copy_from: As in :func:`export_fp8`.
+        window: As in :func:`export_fp8`.
+        percentile: As in :func:`export_fp8`.
+        exclude: As in :func:`export_fp8`.
+        overwrite: As in :func:`export_fp8`.
+
+    Raises:
+        ExportError: as :func:`export_fp8`, and a layer that is not an ``nn.Linear`` of the
+            architecture.
+    """
+    rule = InputScaleRule(window, percentile)
+    out = os.fspath(out_dir)
+    check_target(out, overwrite)
+    plan = plan_from_state_dict(state, set(exclude))
+    for layer in plan.layers:
+        if layer.name not in linear_names:
+            raise ExportError(
+                layer.source,
+                f"{layer.name} is not an nn.Linear of the model's architecture",
+                "FP8 layers that are nn.Linear modules where the model is loaded",
+                "Export from Python with the model (fp8state.export_fp8), which knows each "
+                "module's layout, or exclude the module.",
+            )
+    return _write(plan, out, config, rule, _copied(copy_from), overwrite)
+
+
+def read_export(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``quantization_config`` of an exported folder, or None if ``folder`` is not one."""
+    path = os.path.join(os.fspath(folder), CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as file:
+            quant = json.load(file).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    ok = isinstance(quant, dict) and quant.get("quant_method") == QUANT_METHOD
+    return quant if ok and quant.get("format") == FORMAT_NAME else None

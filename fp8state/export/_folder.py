@@ -1,0 +1,102 @@
+"""Write an export folder whole or not at all: a temporary folder beside it, renamed at the end.
+
+An existing folder is replaced only when asked (``overwrite``): the new folder is complete
+before the old one is moved aside, and the old one is removed only after the rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fp8state.errors import ExportError
+
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "COPIED_FILES", "check_target", "write_folder"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+#: Files a serving stack reads beside the weights, copied from the source folder when present.
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def check_target(out_dir: str, overwrite: bool) -> None:
+    """Refuse an existing ``out_dir`` unless ``overwrite``, before any work is done."""
+    if os.path.lexists(out_dir) and not (overwrite and os.path.isdir(out_dir)):
+        raise ExportError(
+            out_dir,
+            "an existing " + ("folder" if os.path.isdir(out_dir) else "file"),
+            "a path that does not exist yet",
+            "Pick a new folder, or pass overwrite=True (CLI: --overwrite) to replace a folder.",
+        )
+
+
+def write_folder(
+    out_dir: str,
+    tensors: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    copy_from: Iterable[str],
+    overwrite: bool,
+) -> None:
+    """Write ``config.json``, ``model.safetensors`` and the copied files as ``out_dir``.
+
+    Args:
+        out_dir: The folder to create (or replace, with ``overwrite``).
+        tensors: What ``model.safetensors`` holds.
+        config: What ``config.json`` holds.
+        copy_from: Files to copy in (the source folder's tokenizer and generation files).
+        overwrite: Replace an existing folder.
+    """
+    from safetensors.torch import save_file
+
+    check_target(out_dir, overwrite)
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    tmp = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
+    os.mkdir(tmp)
+    try:
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+            os.path.join(tmp, WEIGHTS_FILE),
+            metadata={"format": "pt"},
+        )
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as file:
+            json.dump(config, file, indent=2, sort_keys=True)
+            file.write("\n")
+        for path in copy_from:
+            shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
+        _publish(tmp, os.path.abspath(out_dir), overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:
+    if not os.path.lexists(out_dir):
+        os.rename(tmp, out_dir)  # fails, leaving nothing, if a folder appeared meanwhile
+        return
+    check_target(out_dir, overwrite)
+    old = f"{tmp}.old"
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    with contextlib.suppress(OSError):
+        shutil.rmtree(old)

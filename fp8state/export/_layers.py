@@ -1,0 +1,199 @@
+"""Which layers an export converts: each FP8 GEMM's weight, its input history and its name.
+
+From a model, by module type: ``Linear`` and ``LayerNormLinear`` export one layer at the
+module's name (a ``LayerNormLinear`` that ``convert_model`` fused sits at the original
+``nn.Linear``'s name, and its norm goes back to the original norm's name, as in
+``to_plain_state_dict``); ``LayerNormMLP`` exports two, under its own names ``<name>.fc1`` and
+``<name>.fc2``. ``Conv1D`` (GPT-2's layout) and modules of other types are not converted.
+From a flat state dict (what the CLI reads), by keys: ``<m>._extra_state`` with one GEMM and a
+2-D ``<m>.weight`` is a linear layer, with two GEMMs and ``<m>.fc1_weight``/``<m>.fc2_weight``
+a ``LayerNormMLP``; other modules are not converted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fp8state.checkpoint import to_plain_state_dict
+from fp8state.errors import ExportError, FP8StateError
+from fp8state.mixin import FP8StateMixin
+from fp8state.modules import LayerNormLinear, LayerNormMLP, Linear
+from fp8state.recipe import DelayedScaling
+from fp8state.schema import is_extra_state_key, unpack
+from fp8state.slots import FwdSlot, fwd_slot
+
+__all__ = ["Layer", "Plan", "plan_from_model", "plan_from_state_dict", "GEMM_MULTIPLE"]
+
+#: FP8 GEMMs (``torch._scaled_mm``) need both weight dimensions to be multiples of 16.
+GEMM_MULTIPLE = 16
+
+_MLP = (("fc1_weight", "fc1_bias", "fc1"), ("fc2_weight", "fc2_bias", "fc2"))
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One linear layer to export.
+
+    Attributes:
+        name: Module name in the export (``weight``, ``weight_scale`` and ``input_scale``
+            go under it).
+        source: The fp8state module it comes from (named in errors).
+        weight_key: The weight's key in the plain state dict (replaced by the FP8 weight).
+        bias_key: The bias's key there, if it moves (``fc1_bias`` -> ``fc1.bias``).
+        weight: ``(out_features, in_features)``.
+        history: The forward input slot's amax history column, ``(rows,)``.
+        stored_scale: That slot's current scale, ``(1,)``.
+        recipe: The module's recipe.
+    """
+
+    name: str
+    source: str
+    weight_key: str
+    bias_key: str | None
+    weight: torch.Tensor
+    history: torch.Tensor
+    stored_scale: torch.Tensor
+    recipe: DelayedScaling
+
+
+@dataclass
+class Plan:
+    """What an export writes: the plain state dict, the layers to convert, what stays.
+
+    Attributes:
+        tensors: Every tensor of the model by its plain name, no FP8 metadata.
+        layers: The layers converted to FP8.
+        kept: FP8 modules not converted, with the reason, by name.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    layers: list[Layer]
+    kept: dict[str, str]
+
+
+def _layer(
+    name: str,
+    source: str,
+    weight_key: str,
+    bias_key: str | None,
+    weight: torch.Tensor,
+    payload: object,
+    gemm: int,
+) -> Layer:
+    try:  # validated whole: a zero or non-finite scale, a bad history, is refused here
+        state = unpack(payload)
+    except FP8StateError as err:
+        raise ExportError(source, err.found, err.expected, err.fix) from None
+    column = fwd_slot(gemm, FwdSlot.INPUT)
+    fwd = state.direction("fwd")
+    if weight.ndim != 2 or any(d % GEMM_MULTIPLE for d in weight.shape):
+        raise ExportError(
+            source,
+            f"a weight of shape {tuple(weight.shape)}",
+            f"both dimensions multiples of {GEMM_MULTIPLE}, as FP8 GEMMs (torch._scaled_mm) need",
+            "Leave the module out of the export (exclude=[...]) or pad its features.",
+        )
+    return Layer(
+        name=name,
+        source=source,
+        weight_key=weight_key,
+        bias_key=bias_key,
+        weight=weight,
+        history=fwd.amax_history[:, column],
+        stored_scale=fwd.scale[column : column + 1],
+        recipe=state.recipe,
+    )
+
+
+def plan_from_model(model: nn.Module, exclude: set[str]) -> Plan:
+    """The plan of a model holding fp8state modules (see the module docstring).
+
+    Args:
+        model: The trained model.
+        exclude: Module names to keep in the training dtype.
+    """
+    tensors = to_plain_state_dict(model)
+    layers: list[Layer] = []
+    kept: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FP8StateMixin) or not module.fp8_num_gemms:
+            continue
+        if name in exclude:
+            kept[name] = "excluded"
+            continue
+        payload = module.get_extra_state()
+        if isinstance(module, (Linear, LayerNormLinear)):
+            layers.append(_layer(name, name, f"{name}.weight", None, module.weight, payload, 0))
+        elif isinstance(module, LayerNormMLP):
+            for gemm, (weight, bias, short) in enumerate(_MLP):
+                bias_key = f"{name}.{bias}" if f"{name}.{bias}" in tensors else None
+                layers.append(
+                    _layer(
+                        f"{name}.{short}",
+                        name,
+                        f"{name}.{weight}",
+                        bias_key,
+                        getattr(module, weight),
+                        payload,
+                        gemm,
+                    )
+                )
+        else:
+            kept[name] = f"a {type(module).__name__}, not an nn.Linear layout"
+    return Plan(tensors, layers, kept)
+
+
+def plan_from_state_dict(state: Mapping[str, object], exclude: set[str]) -> Plan:
+    """The plan of a flat state dict with ``<module>._extra_state`` entries (the CLI's).
+
+    Raises:
+        ExportError: a value that is not a tensor, or FP8 metadata that does not decode.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    payloads: dict[str, object] = {}
+    for key, value in state.items():
+        if is_extra_state_key(key):
+            payloads[key.rsplit(".", 1)[0] if "." in key else ""] = value
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            raise ExportError(
+                key,
+                f"a {type(value).__name__}",
+                "a tensor",
+                "Export a model state dict (weights and FP8 metadata only).",
+            )
+    layers: list[Layer] = []
+    kept: dict[str, str] = {}
+    for module, payload in payloads.items():
+        prefix = f"{module}." if module else ""
+        try:
+            gemms = unpack(payload).num_gemms
+        except FP8StateError as err:
+            raise ExportError(f"{prefix}_extra_state", err.found, err.expected, err.fix) from None
+        if module in exclude:
+            kept[module] = "excluded"
+        elif gemms == 1 and f"{prefix}weight" in tensors:
+            w = tensors[f"{prefix}weight"]
+            layers.append(_layer(module, module, f"{prefix}weight", None, w, payload, 0))
+        elif gemms == 2 and all(f"{prefix}{w}" in tensors for w, _, _ in _MLP):
+            for gemm, (weight, bias, short) in enumerate(_MLP):
+                bias_key = f"{prefix}{bias}" if f"{prefix}{bias}" in tensors else None
+                layers.append(
+                    _layer(
+                        f"{prefix}{short}",
+                        module,
+                        f"{prefix}{weight}",
+                        bias_key,
+                        tensors[f"{prefix}{weight}"],
+                        payload,
+                        gemm,
+                    )
+                )
+        else:
+            kept[module] = f"{gemms} GEMMs and no weight key this export knows"
+    return Plan(tensors, layers, kept)
