@@ -158,6 +158,15 @@ class ExportError(FP8StateError, ValueError):
 
     Raised before anything is written: a module that never ran in FP8, a scale that is not
     finite and positive, a shape FP8 GEMMs cannot take, an existing output folder.
+
+    Example:
+        >>> import tempfile, torch, fp8state
+        >>> model = torch.nn.Sequential(fp8state.Linear(16, 16))  # never run in FP8
+        >>> try:
+        ...     fp8state.export_fp8(model, tempfile.mkdtemp() + "/out")
+        ... except fp8state.errors.ExportError as err:
+        ...     print(err.key, "|", err.expected)
+        0 | a module that ran forward passes under fp8_autocast
     """
 
 

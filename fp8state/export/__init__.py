@@ -136,6 +136,15 @@ def export_fp8(
         ExportError: a module that never ran in FP8, a non-finite or zero scale, a weight
             shape FP8 GEMMs cannot take, an existing ``out_dir``; nothing is written.
         ConfigError: an unknown ``format``, ``window`` or ``percentile``.
+
+    Example:
+        >>> import tempfile, torch, fp8state
+        >>> model = torch.nn.Sequential(fp8state.Linear(32, 32))
+        >>> with fp8state.fp8_autocast():
+        ...     _ = model(torch.randn(4, 32))
+        >>> report = fp8state.export_fp8(model, tempfile.mkdtemp() + "/out")
+        >>> sorted(report.scales), report.ignored
+        (['0'], [])
     """
     _check_format(format)
     rule = InputScaleRule(window, percentile)

@@ -22,6 +22,7 @@ EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.py"))
 
 #: What each example must print (regular expressions searched in its stdout).
 KEY_OUTPUT = {
+    "export_for_serving": [r"wrote llama-fp8: 15 FP8 layers; in the training dtype: .*model\.norm"],
     "custom_module": [r"reloaded with torch\.load\(weights_only=True\): FP8 metadata identical"],
     "train_resume": [r"resumed at step 8: .* identical bit for bit"],
     "convert_te_checkpoint": [
