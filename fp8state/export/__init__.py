@@ -18,13 +18,13 @@ from typing import Any
 from torch import nn
 
 from fp8state.errors import ConfigError, ExportError
+from fp8state.export._architecture import linear_names
 from fp8state.export._compressed_tensors import (
     FORMAT_NAME,
     QUANT_METHOD,
     quantization_config,
     quantized_tensors,
 )
-from fp8state.export._architecture import linear_names
 from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, write_folder
 from fp8state.export._inspect import describe_export
 from fp8state.export._layers import Plan, plan_from_model, plan_from_state_dict
