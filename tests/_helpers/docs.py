@@ -9,6 +9,7 @@ from pathlib import Path
 #: that every page with python blocks is run by some test).
 DOCS_WITH_CODE = [
     "README.md",
+    "docs/export.md",
     "docs/custom_modules.md",
     "docs/concepts_scaling.md",
     "docs/schema.md",
