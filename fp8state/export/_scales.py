@@ -115,7 +115,9 @@ def input_scale_inv(
             module,
             f"an empty forward input amax history (nothing recorded in the last {window} steps)",
             "a module that ran forward passes under fp8_autocast",
-            "Run training or calibration steps in FP8 before exporting, or leave it out.",
+            "Run training or calibration steps in FP8 before exporting, or leave it out (a "
+            "GEMM smaller than the module's fp8_min_gemm_macs runs in high precision and "
+            "records nothing).",
         )
     if rule.percentile is None:
         amax = scaling.amax_from_history(recorded[:, None], window, recipe.amax_compute_algo)

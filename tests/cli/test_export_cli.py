@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _helpers.hf import tiny_llama_config
 
 import fp8state
 from fp8state.cli import main
@@ -26,16 +27,7 @@ def _trained(model: torch.nn.Module, vocab: int) -> torch.nn.Module:
 
 
 def _llama(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model = _trained(transformers.LlamaForCausalLM(config), 64)
+    model = _trained(transformers.LlamaForCausalLM(tiny_llama_config()), 128)
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
 
@@ -55,7 +47,7 @@ def test_export_from_each_source_then_inspect(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
-    assert "8 FP8 layers" in out and "model.layers.0.self_attn.q_proj" in out
+    assert "15 FP8 layers" in out and "model.layers.0.self_attn.q_proj" in out
     assert "model.embed_tokens" in out.splitlines()[-1]
 
 

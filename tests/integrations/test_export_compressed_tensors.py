@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers.hf import tiny_llama_config
 
 import fp8state
 from fp8state import quantize
@@ -22,15 +23,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 def _trained_llama(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config()
     source = tmp_path / "source"
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(source)
