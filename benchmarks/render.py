@@ -81,6 +81,13 @@ ROWS = [
         0,
     ),
     (
+        "recompilations, 20 compiled steps of the 16-layer model",
+        "compile_recompiles",
+        None,
+        "<=",
+        0,
+    ),
+    (
         "48-layer h1024 model, state_dict+save+load+load_state_dict, fp8state / torch.nn",
         "checkpoint_roundtrip",
         "ratio",
