@@ -7,22 +7,27 @@ elements referenced a million times through the memo cost as much. Before the un
 hashes anything it charges the key here: each key's elements are counted, without a memo,
 against one budget per load, and a key whose hash is not known to be cheap is refused. The
 budget grows with the file (:func:`budget_for`): what a valid pickle hashes is proportional
-to its size (a DCP checkpoint's metadata hashes about one element per eight bytes).
+to its size (a DCP checkpoint's metadata hashes about one element per eight bytes). Pickles
+read while another load runs (nested storage blobs, each as often as the outer pickle names
+it) draw on that load's budget (:func:`sharing`), not on fresh ones.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import io
 import os
+from collections.abc import Iterator
 from typing import IO
 
 import torch
 
 from fp8state.errors import LegacyFormatError
 
-__all__ = ["BASE_HASHED_ELEMENTS", "HashBudget", "budget_for"]
+__all__ = ["BASE_HASHED_ELEMENTS", "EXPECTED", "HashBudget", "budget_for", "sharing"]
 
 #: How many elements any load may hash, plus one per byte of the pickle read.
 BASE_HASHED_ELEMENTS = 1 << 20
@@ -32,12 +37,21 @@ _ATOMS = frozenset({str, bytes, bool, float, complex, type(None), torch.dtype, t
 _ATOMS |= {torch.device, torch.memory_format}
 
 
+#: What a refusal of this module says was expected (callers tell it from other refusals).
+EXPECTED = "dict keys and set elements of strings, numbers, small tuples or objects"
+
+_shared: contextvars.ContextVar[HashBudget | None] = contextvars.ContextVar(
+    "fp8state_hash_budget", default=None
+)
+
+
 def _refused(what: str) -> LegacyFormatError:
     return LegacyFormatError(
         "",
         what,
-        "dict keys and set elements of strings, numbers, small tuples or objects",
-        "The checkpoint is corrupt or was crafted; nothing was executed.",
+        EXPECTED,
+        "The checkpoint is corrupt or was crafted; nothing was executed. Do not read it with "
+        "a trusting reader either: plain pickle and torch.load hash the same keys.",
     )
 
 
@@ -69,8 +83,13 @@ class HashBudget:
             items: The call's first argument.
             pairs: Whether ``items`` holds ``(key, value)`` pairs (a mapping's are its keys).
         """
+        if isinstance(items, (str, bytes, bytearray)):
+            self.left -= len(items)  # one character or byte per element, hashed at once
+            if self.left < 0:
+                raise self._spent()
+            return
         if not isinstance(items, (list, tuple, dict, set, frozenset)):
-            return  # the call refuses it before hashing anything
+            raise _refused(f"a call hashing the items of a {type(items).__name__}")
         pairs = pairs and not isinstance(items, dict)
         for item in items:
             self.charge(item[0] if pairs and isinstance(item, (tuple, list)) and item else item)
@@ -110,8 +129,25 @@ class HashBudget:
                 raise _refused(f"a dict key or set element of type {kind.__name__}")
 
 
+@contextlib.contextmanager
+def sharing(budget: HashBudget) -> Iterator[None]:
+    """Inside the ``with`` block, :func:`budget_for` returns ``budget`` (nested loads)."""
+    token = _shared.set(budget)
+    try:
+        yield
+    finally:
+        _shared.reset(token)
+
+
 def budget_for(file: IO[bytes]) -> HashBudget:
-    """The budget of a load from ``file``: :data:`BASE_HASHED_ELEMENTS` plus its size in bytes."""
+    """The budget of a load from ``file``.
+
+    The running load's, if one shares its budget (:func:`sharing`); else
+    :data:`BASE_HASHED_ELEMENTS` plus the file's size in bytes.
+    """
+    shared = _shared.get()
+    if shared is not None:
+        return shared
     size = 0
     if isinstance(file, io.BytesIO):
         with file.getbuffer() as view:  # released at once: the file stays resizable

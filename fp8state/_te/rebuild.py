@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fp8state._shown import shown
 from fp8state.errors import LegacyFormatError
 
 __all__ = ["MAX_EXPANDED_ELEMENTS", "check_view", "checked_rebuild"]
@@ -52,7 +53,9 @@ def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = N
     if not isinstance(untyped, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
         raise _malformed(f"a tensor built from a {type(storage).__name__}")
     if not ints or offset < 0 or any(v < 0 for v in (*size, *stride)):
-        raise _malformed(f"a tensor with offset {offset!r}, size {size!r}, stride {stride!r}"[:200])
+        raise _malformed(
+            f"a tensor with offset {shown(offset)}, size {shown(size)}, stride {shown(stride)}"
+        )
     numel = 1
     for n in size:
         numel *= n
@@ -76,7 +79,7 @@ def check_view(storage: Any, offset: Any, size: Any, stride: Any, dtype: Any = N
 def _names(state: object) -> str:
     parts = state if isinstance(state, tuple) else (state,)
     names = [k for part in parts if isinstance(part, dict) for k in part]
-    return ascii(sorted(map(str, names))) if names else ascii(type(state).__name__)
+    return shown(sorted(names, key=str)) if names else shown(type(state).__name__)
 
 
 def checked_rebuild(rebuild: Callable[..., Any], hooks_at: int | None, dtype_at: int | None) -> Any:
@@ -102,7 +105,7 @@ def checked_rebuild(rebuild: Callable[..., Any], hooks_at: int | None, dtype_at:
         if hooks_at is not None and len(args) > hooks_at and args[hooks_at]:
             raise LegacyFormatError(
                 "",
-                f"a tensor with pickled backward hooks {args[hooks_at]!r}"[:200],
+                f"a tensor with pickled backward hooks {shown(args[hooks_at])}",
                 "no hooks (torch.save never writes them)",
                 "The checkpoint was crafted; nothing was executed.",
             )

@@ -27,7 +27,7 @@ from typing import IO, Any, BinaryIO
 import torch
 
 from fp8state._te.allowed import NAMES, refuse_call, setstate_checked
-from fp8state._te.hash_budget import budget_for
+from fp8state._te.hash_budget import budget_for, sharing
 from fp8state._te.hash_scan import check_hash_cost
 from fp8state.errors import FP8StateError, LegacyFormatError, UnsafeCheckpointError
 
@@ -76,6 +76,11 @@ class Unpickler(_PyUnpickler):
         self._created: dict[int, object] = {}
         self._hashing = budget_for(file)
 
+    def load(self) -> Any:
+        """Unpickle; storage blobs read meanwhile draw on this load's hash budget."""
+        with sharing(self._hashing):
+            return _PyUnpickler.load(self)
+
     def _made(self) -> None:
         made = self.stack[-1]
         self._created[id(made)] = made
@@ -111,8 +116,14 @@ class Unpickler(_PyUnpickler):
 
     def _charge_call(self, target: object, args: object) -> None:
         """The keys ``set(...)`` or ``OrderedDict(...)`` would hash."""
-        if target in (set, collections.OrderedDict) and isinstance(args, tuple) and args:
+        # REDUCE calls func(*args) with any sequence as args, a list too.
+        if target in (set, collections.OrderedDict) and isinstance(args, (tuple, list)) and args:
             self._hashing.charge_items(args[0], pairs=target is not set)
+
+    def _load_binpersid(self) -> None:
+        # torch's persistent_load looks the id up in a dict: it hashes it.
+        self._hashing.charge(self.stack[-1])
+        _PyUnpickler.load_binpersid(self)
 
     def _load_setitem(self) -> None:
         self._hashing.charge(self.stack[-2])
@@ -155,6 +166,7 @@ class Unpickler(_PyUnpickler):
     dispatch[pickle.REDUCE[0]] = _load_reduce
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BINPERSID[0]] = _load_binpersid
     dispatch[pickle.SETITEM[0]] = _load_setitem
     dispatch[pickle.SETITEMS[0]] = _load_setitems
     dispatch[pickle.DICT[0]] = _load_dict
@@ -279,7 +291,7 @@ def load_storage_blob(blob: object) -> Any:
             "The checkpoint is corrupt or was crafted; nothing was executed.",
         )
     # torch's reader hashes every key the blob's pickles build: bounded first.
-    check_hash_cost(bytes(blob), "a nested storage blob", pickles=5)
+    check_hash_cost(bytes(blob), "a nested storage blob")
     try:
         storage = torch.load(io.BytesIO(blob), weights_only=True, map_location=_keep_on_cpu)
     except Exception as err:

@@ -18,6 +18,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.metadata import Metadata
 
+from fp8state._shown import shown
+from fp8state._te.hash_budget import EXPECTED as HASH_EXPECTED
 from fp8state._te.unpickler import Unpickler
 from fp8state.checkpoint._dcp_errors import METADATA_FILE, unreadable_items, unreadable_metadata
 from fp8state.checkpoint._metadata_checks import check_coverage, check_fields
@@ -102,10 +104,10 @@ def _dataclass_setstate(inst: object, state: object) -> None:
         if part is None:
             continue
         if not isinstance(part, dict) or not part.keys() <= names:
-            shown = ascii(sorted(map(str, part)) if isinstance(part, dict) else part)[:120]
+            what = sorted(part, key=str) if isinstance(part, dict) else part
             raise LegacyFormatError(
                 "",
-                f"state {shown} for a {type(inst).__name__}",
+                f"state {shown(what)} for a {type(inst).__name__}",
                 f"a dict of its fields {sorted(names)}",
                 "The checkpoint is corrupt or was crafted; nothing was executed.",
             )
@@ -128,10 +130,10 @@ class _MetadataUnpickler(Unpickler):
         """Resolve ``module.name`` from the allow-list; never imports anything."""
         found = _ALLOWED.get((module, name))
         if found is None:
-            shown = ascii(f"{module}.{name}")[1:-1][:120]  # one line, whatever the file holds
+            named = shown(f"{module}.{name}")[1:-1]  # one line, whatever the file holds
             raise UnsafeCheckpointError(
                 self._key,
-                f"a pickled reference to {shown}",
+                f"a pickled reference to {named}",
                 "only torch.distributed.checkpoint's metadata classes, sizes, dtypes and paths",
                 UNTRUSTED_FIX,
             )
@@ -144,7 +146,9 @@ def read_untrusted_metadata(path: str) -> Metadata:
     try:
         with open(key, "rb") as file:
             metadata = _MetadataUnpickler(file, key).load()
-    except LegacyFormatError as err:  # a refused BUILD or call: name the file
+    except LegacyFormatError as err:  # a refused BUILD, call or key: name the file
+        if err.expected == HASH_EXPECTED:  # a trusting reader would hash it without end
+            raise CheckpointError(key, err.found, err.expected, err.fix) from None
         raise UnsafeCheckpointError(key, err.found, err.expected, UNTRUSTED_FIX) from None
     except (FP8StateError, OSError):
         raise
@@ -184,25 +188,30 @@ def _check_storage(metadata: Metadata, folder: str, key: str) -> None:
     for info in data.values():
         rel = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        shown = f"an item stored in {ascii(rel)[:120]} at offset {offset!r}, length {length!r}"
+        # Shown only when refused: even a bounded repr per item costs time on large folders.
+        where = (rel, offset, length)
         key_rel = rel if isinstance(rel, str) else id(rel)
         if key_rel not in resolved:
             resolved[key_rel] = _inside(root, rel)
         real = resolved[key_rel]
         if real is None or type(offset) is not int or type(length) is not int:
-            raise _outside(key, shown[:300])
+            raise _outside(key, _item(*where))
         if offset < 0 or length < 0:
-            raise _outside(key, shown[:300])
+            raise _outside(key, _item(*where))
         if real not in sizes:
             if not os.path.lexists(real):  # missing: damaged, as DCP's own reader says
                 missing = FileNotFoundError(2, "No such file or directory", real)
                 raise unreadable_items(folder, missing)
             if not os.path.isfile(real):  # a folder, a device, a pipe
-                raise _outside(key, shown[:300])
+                raise _outside(key, _item(*where))
             sizes[real] = os.stat(real).st_size
         if offset + length > sizes[real]:
             short = EOFError(f"{real} holds {sizes[real]} bytes, items reach {offset + length}")
             raise unreadable_items(folder, short)
+
+
+def _item(rel: object, offset: object, length: object) -> str:
+    return f"an item stored in {shown(rel)} at offset {shown(offset)}, length {shown(length)}"
 
 
 def _inside(root: str, rel: object) -> str | None:

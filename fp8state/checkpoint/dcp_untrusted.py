@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from fp8state._shown import shown
 from fp8state._te.unpickler import safe_torch_load
 from fp8state.checkpoint._dcp_errors import (
     METADATA_FILE,
@@ -98,7 +99,7 @@ def _set_element(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> Non
     node: Any = root
     for depth, key in enumerate(path):
         if not isinstance(node, (dict, list)):
-            raise TypeError(f"an item inside a {type(node).__name__} at {path!r}"[:160])
+            raise TypeError(f"an item inside a {type(node).__name__} at {shown(path)}")
         if isinstance(node, list):
             node.extend([None] * (key + 1 - len(node)))
             present = node[key] is not None
@@ -106,7 +107,7 @@ def _set_element(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> Non
             present = key in node
         if depth == len(path) - 1:
             if present:  # DCP never stores two items at one path; a crafted file could hide one
-                raise TypeError(f"two items at {path!r}"[:160])
+                raise TypeError(f"two items at {shown(path)}")
             node[key] = value
         else:
             if not present:
@@ -137,7 +138,7 @@ def _item_paths(metadata: Metadata, source: str) -> dict[str, tuple[str | int, .
             and all(isinstance(p, str) or (type(p) is int and 0 <= p < count) for p in item_path)
         )
         if not ok:
-            raise _bad_paths(source, ValueError(f"{key!r} -> {item_path!r}"))
+            raise _bad_paths(source, ValueError(f"{shown(key)} -> {shown(item_path)}"))
         out[key] = tuple(item_path)
     return out
 

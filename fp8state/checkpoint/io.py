@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import torch
 
-from fp8state._te.hash_scan import check_hash_cost
+from fp8state._te.hash_scan import check_file_hash_cost
 from fp8state._te.sniff import describe_te_value
 from fp8state.checkpoint._entries import iter_extra_states
 from fp8state.errors import CheckpointError, LegacyFormatError, UnsafeCheckpointError
@@ -92,27 +92,17 @@ def _unpickling_error(where: str, err: pickle.UnpicklingError) -> Exception:
 
 
 def _check_pickle_hashing(path: str | os.PathLike[str] | IO[bytes], where: str) -> None:
-    """Refuse an archive whose pickle would make ``torch.load`` hash without end.
+    """Refuse a file whose pickle would make ``torch.load`` hash without end.
 
     torch's weights-only reader hashes every dict key a pickle builds; a key can be made to
-    cost 2**48 steps in a few bytes. The archive's ``data.pkl``, read by torch's own zip
-    reader, is dry-run first. Files torch's zip reader cannot open (the pre-1.6 format,
-    damaged archives) go to ``torch.load`` as they are.
+    cost 2**48 steps in a few bytes. The pickle is dry-run first (``fp8state._te.hash_scan``).
     """
-    named = isinstance(path, (str, os.PathLike))
-    start = 0 if named else path.tell()  # type: ignore[union-attr]
     try:
-        reader = torch._C.PyTorchFileReader(os.fspath(path) if named else path)  # type: ignore[arg-type]
-        data = reader.get_record("data.pkl")
-    except (RuntimeError, OSError, TypeError):
-        return
-    finally:
-        if not named:
-            path.seek(start)  # type: ignore[union-attr]
-    try:
-        check_hash_cost(bytes(data))
+        check_file_hash_cost(path, where)
     except LegacyFormatError as err:
         raise CheckpointError(where, err.found, err.expected, err.fix) from None
+    except OSError:
+        return  # missing or unreadable: torch.load reports it as it always has
 
 
 def load(path: str | os.PathLike[str] | IO[bytes], map_location: Any = "cpu") -> Any:

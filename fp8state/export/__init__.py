@@ -27,7 +27,7 @@ from fp8state.export._compressed_tensors import (
 )
 from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, write_folder
 from fp8state.export._inspect import describe_export
-from fp8state.export._layers import Plan, plan_from_model, plan_from_state_dict
+from fp8state.export._layers import Plan, join, plan_from_model, plan_from_state_dict
 from fp8state.export._scales import InputScaleRule
 
 __all__ = [
@@ -88,13 +88,12 @@ def _write(
     names = {layer.name for layer in plan.layers}
     # Every module left with a weight in the training dtype (embeddings, norms, layers not
     # converted): compressed-tensors matches "Linear" targets, and skips these.
-    ignored = sorted(
-        {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")} - names - {"weight"}
-    )
+    held = {k[: -len("weight")].rstrip(".") for k in tensors if k.split(".")[-1] == "weight"}
+    ignored = sorted(held - names)
     config = {**base_config, "quantization_config": quantization_config(ignored)}
     write_folder(out_dir, tensors, config, copy_from, overwrite)
     scales = {
-        n: (tensors[f"{n}.weight_scale"].item(), tensors[f"{n}.input_scale"].item())
+        n: (tensors[join(n, "weight_scale")].item(), tensors[join(n, "input_scale")].item())
         for n in sorted(names)
     }
     return ExportReport(out_dir, scales, ignored, dict(plan.kept))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fp8state.export._layers import Layer, Plan
+from fp8state.export._layers import Layer, Plan, join
 from fp8state.export._scales import InputScaleRule, input_scale_inv, quantize_weight
 
 __all__ = ["FORMAT_NAME", "QUANT_METHOD", "quantized_tensors", "quantization_config"]
@@ -38,19 +38,19 @@ def quantized_tensors(plan: Plan, rule: InputScaleRule) -> dict[str, torch.Tenso
     """
     converted: list[tuple[Layer, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for layer in plan.layers:
-        weight, weight_scale = quantize_weight(layer.weight, layer.recipe, layer.source)
+        weight, weight_scale = quantize_weight(layer.weight, layer.recipe, layer.name)
         input_scale = input_scale_inv(
-            layer.history, layer.stored_scale, layer.recipe, rule, layer.source
+            layer.history, layer.stored_scale, layer.recipe, rule, layer.name
         )
         converted.append((layer, weight, weight_scale, input_scale))
     out = dict(plan.tensors)
     for layer, weight, weight_scale, input_scale in converted:
         del out[layer.weight_key]
         if layer.bias_key is not None:
-            out[f"{layer.name}.bias"] = out.pop(layer.bias_key)
-        out[f"{layer.name}.weight"] = weight.contiguous()
-        out[f"{layer.name}.weight_scale"] = weight_scale
-        out[f"{layer.name}.input_scale"] = input_scale
+            out[join(layer.name, "bias")] = out.pop(layer.bias_key)
+        out[join(layer.name, "weight")] = weight.contiguous()
+        out[join(layer.name, "weight_scale")] = weight_scale
+        out[join(layer.name, "input_scale")] = input_scale
     return out
 
 

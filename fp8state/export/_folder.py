@@ -67,6 +67,19 @@ def write_folder(
 
     check_target(out_dir, overwrite)
     parent, name = os.path.split(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise ExportError(
+            out_dir, "no parent folder", "a path inside an existing folder", "Create it first."
+        )
+    try:  # before any byte is written: a config json cannot hold fails here
+        config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as err:
+        raise ExportError(
+            "config",
+            f"a value JSON cannot hold ({err})",
+            "a JSON-serializable config",
+            "Pass the config as plain data (PretrainedConfig.to_dict()).",
+        ) from None
     tmp = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
     os.mkdir(tmp)
     try:
@@ -76,8 +89,7 @@ def write_folder(
             metadata={"format": "pt"},
         )
         with open(os.path.join(tmp, CONFIG_FILE), "w") as file:
-            json.dump(config, file, indent=2, sort_keys=True)
-            file.write("\n")
+            file.write(config_text)
         for path in copy_from:
             shutil.copy2(path, os.path.join(tmp, os.path.basename(path)))
         _publish(tmp, os.path.abspath(out_dir), overwrite)
@@ -88,7 +100,8 @@ def write_folder(
 
 def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:
     if not os.path.lexists(out_dir):
-        os.rename(tmp, out_dir)  # fails, leaving nothing, if a folder appeared meanwhile
+        # A non-empty folder that appeared meanwhile makes this fail; an empty one is replaced.
+        os.rename(tmp, out_dir)
         return
     check_target(out_dir, overwrite)
     old = f"{tmp}.old"

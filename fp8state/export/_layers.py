@@ -26,12 +26,17 @@ from fp8state.recipe import DelayedScaling
 from fp8state.schema import is_extra_state_key, unpack
 from fp8state.slots import FwdSlot, fwd_slot
 
-__all__ = ["Layer", "Plan", "plan_from_model", "plan_from_state_dict", "GEMM_MULTIPLE"]
+__all__ = ["Layer", "Plan", "plan_from_model", "plan_from_state_dict", "GEMM_MULTIPLE", "join"]
 
 #: FP8 GEMMs (``torch._scaled_mm``) need both weight dimensions to be multiples of 16.
 GEMM_MULTIPLE = 16
 
 _MLP = (("fc1_weight", "fc1_bias", "fc1"), ("fc2_weight", "fc2_bias", "fc2"))
+
+
+def join(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` for the root module (whose prefix is empty)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 @dataclass(frozen=True)
@@ -87,12 +92,12 @@ def _layer(
     try:  # validated whole: a zero or non-finite scale, a bad history, is refused here
         state = unpack(payload)
     except FP8StateError as err:
-        raise ExportError(source, err.found, err.expected, err.fix) from None
+        raise ExportError(name, err.found, err.expected, err.fix) from None
     column = fwd_slot(gemm, FwdSlot.INPUT)
     fwd = state.direction("fwd")
     if weight.ndim != 2 or any(d % GEMM_MULTIPLE for d in weight.shape):
         raise ExportError(
-            source,
+            name,
             f"a weight of shape {tuple(weight.shape)}",
             f"both dimensions multiples of {GEMM_MULTIPLE}, as FP8 GEMMs (torch._scaled_mm) need",
             "Leave the module out of the export (exclude=[...]) or pad its features.",
@@ -127,15 +132,16 @@ def plan_from_model(model: nn.Module, exclude: set[str]) -> Plan:
             continue
         payload = module.get_extra_state()
         if isinstance(module, (Linear, LayerNormLinear)):
-            layers.append(_layer(name, name, f"{name}.weight", None, module.weight, payload, 0))
+            key = join(name, "weight")
+            layers.append(_layer(name, name, key, None, module.weight, payload, 0))
         elif isinstance(module, LayerNormMLP):
             for gemm, (weight, bias, short) in enumerate(_MLP):
-                bias_key = f"{name}.{bias}" if f"{name}.{bias}" in tensors else None
+                bias_key = join(name, bias) if join(name, bias) in tensors else None
                 layers.append(
                     _layer(
-                        f"{name}.{short}",
+                        join(name, short),
                         name,
-                        f"{name}.{weight}",
+                        join(name, weight),
                         bias_key,
                         getattr(module, weight),
                         payload,

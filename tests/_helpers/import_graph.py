@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_layout",
             "_atomic_file",
             "_walk",
+            "_shown",
             "schema",
             "backends",
         ),

@@ -163,3 +163,31 @@ def test_state_dict_export_refuses_layers_outside_the_linear_names(tmp_path: Pat
     a = load_file(tmp_path / "out" / "model.safetensors")
     b = load_file(tmp_path / "direct" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k].float(), b[k].float()) for k in a)
+
+
+def test_a_root_level_layer_exports_under_plain_names(tmp_path: Path) -> None:
+    model = fp8state.Linear(32, 32)
+    with fp8state.fp8_autocast():
+        model(torch.randn(4, 32))
+    report = export_fp8(model, tmp_path / "out")
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(report.scales) == {""}
+    assert sorted(tensors) == ["bias", "input_scale", "weight", "weight_scale"]
+
+
+def test_bad_targets_and_configs_are_refused_before_writing(tmp_path: Path) -> None:
+    model = _trained()
+    with pytest.raises(ExportError, match="no parent folder"):
+        export_fp8(model, tmp_path / "missing" / "out")
+    with pytest.raises(ExportError, match="JSON"):
+        export_fp8(model, tmp_path / "out", config={"x": object()})
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_errors_of_a_fused_mlp_name_the_layer(tmp_path: Path) -> None:
+    model = _trained()
+    with torch.no_grad():
+        model[2].fc2_weight[0, 0] = float("inf")
+    with pytest.raises(ExportError, match="inf or NaN") as caught:
+        export_fp8(model, tmp_path / "out")
+    assert caught.value.key == "2.fc2"
