@@ -12,7 +12,7 @@ one ``torch.save`` file, and prints the median milliseconds of reading each back
 - ``file``: ``fp8state.checkpoint.load(path)`` (the dry run that bounds key hashing, then
   ``torch.load``) against ``torch.load(path, weights_only=True, map_location="cpu")``.
 
-Rounds alternate the two readers; the files stay in the page cache, so the figures are the
+Rounds alternate the readers, in a rotating order; the files stay in the page cache, so the figures are the
 readers' cost, not the disk's. The figures in docs/security.md come from the default arguments
 on this project's CI machine.
 """
@@ -35,13 +35,18 @@ import fp8state
 
 
 def _medians(rounds: int, *fns: Callable[[], object]) -> list[float]:
-    """Median milliseconds of each of ``fns``, run in turn ``rounds`` times."""
+    """Median milliseconds of each of ``fns``, run in turn ``rounds`` times.
+
+    The order rotates each round: whichever call runs first after another's gigabyte was freed
+    pays for fresh pages, and that must not always be the same one.
+    """
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, out in zip(fns, times, strict=True):
+    for round_ in range(rounds):
+        for i in range(len(fns)):
+            j = (i + round_) % len(fns)
             start = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - start) * 1e3)
+            fns[j]()
+            times[j].append((time.perf_counter() - start) * 1e3)
     return [round(statistics.median(t), 1) for t in times]
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import enum
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO
 
 import torch
@@ -91,8 +91,20 @@ class HashBudget:
         if not isinstance(items, (list, tuple, dict, set, frozenset)):
             raise _refused(f"a call hashing the items of a {type(items).__name__}")
         pairs = pairs and not isinstance(items, dict)
-        for item in items:
-            self.charge(item[0] if pairs and isinstance(item, (tuple, list)) and item else item)
+        self.charge_all(
+            item[0] if pairs and isinstance(item, (tuple, list)) and item else item
+            for item in items
+        )
+
+    def charge_all(self, keys: Iterable[object]) -> None:
+        """:meth:`charge` each of ``keys``; strings (most keys) without a call each."""
+        for key in keys:
+            if type(key) is str:  # its hash is cached: one step
+                self.left -= 1
+            else:
+                self.charge(key)
+        if self.left < 0:
+            raise self._spent()
 
     def charge(self, key: object) -> None:
         """Count the elements hashing ``key`` visits, tuples inside tuples once per path.

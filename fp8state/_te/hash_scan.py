@@ -77,8 +77,7 @@ class _DryRun(_PyUnpickler):
         return _Made()
 
     def _charge(self, keys: Any) -> None:
-        for key in keys:
-            self._hashing.charge(key)
+        self._hashing.charge_all(keys)
 
     def _call(self, target: object, args: object) -> object:
         if not isinstance(args, (tuple, list)):  # REDUCE takes any sequence as arguments

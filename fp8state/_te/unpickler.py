@@ -111,8 +111,7 @@ class Unpickler(_PyUnpickler):
     # Every opcode that hashes what the pickle built charges it to the load's budget first.
     # After a MARK, `self.stack` holds exactly the items the opcode consumes.
     def _charge(self, keys: Any) -> None:
-        for key in keys:
-            self._hashing.charge(key)
+        self._hashing.charge_all(keys)
 
     def _charge_call(self, target: object, args: object) -> None:
         """The keys ``set(...)`` or ``OrderedDict(...)`` would hash."""
