@@ -12,8 +12,8 @@ one ``torch.save`` file, and prints the median milliseconds of reading each back
 - ``file``: ``fp8state.checkpoint.load(path)`` (the dry run that bounds key hashing, then
   ``torch.load``) against ``torch.load(path, weights_only=True, map_location="cpu")``.
 
-Rounds alternate the readers, in a rotating order; the files stay in the page cache, so the figures are the
-readers' cost, not the disk's. The figures in docs/security.md come from the default arguments
+Rounds alternate the readers, in a rotating order; the files stay in the page cache, so the
+figures are the readers' cost, not the disk's. The figures in docs/security.md come from the default arguments
 on this project's CI machine.
 """
 
