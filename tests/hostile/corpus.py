@@ -97,20 +97,28 @@ def stride_bomb(folder: Path) -> Path:
     return _save(folder, {**_state(), "bias": _View(0, (10**10, 3), (0, 1))})
 
 
-def storage_claims_terabytes(folder: Path) -> Path:
-    """A zip archive whose storage record says 10**12 elements; the record holds 64 bytes."""
-    path = _save(folder, {"bias": torch.zeros(16)})
+def _rewrite_data_pkl(path: Path, edit: Callable[[bytes], bytes]) -> Path:
+    """Replace the pickle of the torch.save archive at ``path`` with ``edit(pickle)``."""
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()
         files = {info.filename: archive.read(info) for info in infos}
     name = next(n for n in files if n.endswith("data.pkl"))
-    numel = files[name].index(b"K\x10t")  # the storage's element count in its persistent id
-    huge = b"\x8a\x06" + (10**12).to_bytes(6, "little")
-    files[name] = files[name][:numel] + huge + files[name][numel + 2 :]
+    files[name] = edit(files[name])
     with zipfile.ZipFile(path, "w") as archive:
         for info in infos:
             archive.writestr(info, files[info.filename])
     return path
+
+
+def storage_claims_terabytes(folder: Path) -> Path:
+    """A zip archive whose storage record says 10**12 elements; the record holds 64 bytes."""
+
+    def claim(data: bytes) -> bytes:
+        numel = data.index(b"K\x10t")  # the storage's element count in its persistent id
+        huge = b"\x8a\x06" + (10**12).to_bytes(6, "little")
+        return data[:numel] + huge + data[numel + 2 :]
+
+    return _rewrite_data_pkl(_save(folder, {"bias": torch.zeros(16)}), claim)
 
 
 def shadowing_state_dict(folder: Path) -> Path:
@@ -185,15 +193,7 @@ def tuple_dag(depth: int) -> bytes:
 def hash_bomb_key(folder: Path) -> Path:
     """A torch.save archive whose pickle is a dict keyed by a 48-deep shared tuple."""
     path = _save(folder, {"bias": torch.zeros(2)})
-    with zipfile.ZipFile(path) as archive:
-        infos = archive.infolist()
-        files = {info.filename: archive.read(info) for info in infos}
-    name = next(n for n in files if n.endswith("data.pkl"))
-    files[name] = b"\x80\x02}" + tuple_dag(48) + b"K\x01s."
-    with zipfile.ZipFile(path, "w") as archive:
-        for info in infos:
-            archive.writestr(info, files[info.filename])
-    return path
+    return _rewrite_data_pkl(path, lambda _: b"\x80\x02}" + tuple_dag(48) + b"K\x01s.")
 
 
 def dcp_hash_bomb_key(folder: Path) -> Path:

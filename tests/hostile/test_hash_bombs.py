@@ -119,11 +119,6 @@ def tuple_dag_value(depth: int) -> tuple:
     return value
 
 
-def _bomb(depth: int = 48) -> bytes:
-    """Pushes a tuple DAG: (1,), then `depth` times (top, top) through memo slot 0."""
-    return b"K\x01" + b"q\x00h\x00\x86" * depth
-
-
 def _archive(data_pkl: bytes) -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
@@ -135,14 +130,14 @@ def _archive(data_pkl: bytes) -> bytes:
 
 # What torch's weights-only reader accepts and hashes, each a way past a naive dry run.
 TORCH_READS = {
-    "protocol 6 header": b"\x80\x06}" + _bomb() + b"K\x01s.",
-    "UTF-8 string first": b"\x80\x02U\x02\xc3\xa90}" + _bomb() + b"K\x01s.",
-    "Counter call": b"\x80\x02ccollections\nCounter\n]" + _bomb() + b"a\x85R.",
-    "BUILD with pairs": b"\x80\x02ccollections\nOrderedDict\n)R]" + _bomb() + b"K\x01\x86ab.",
+    "protocol 6 header": b"\x80\x06}" + tuple_dag(48) + b"K\x01s.",
+    "UTF-8 string first": b"\x80\x02U\x02\xc3\xa90}" + tuple_dag(48) + b"K\x01s.",
+    "Counter call": b"\x80\x02ccollections\nCounter\n]" + tuple_dag(48) + b"a\x85R.",
+    "BUILD with pairs": b"\x80\x02ccollections\nOrderedDict\n)R]" + tuple_dag(48) + b"K\x01\x86ab.",
     "persistent id": b"\x80\x02(X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
-    + _bomb()
+    + tuple_dag(48)
     + b"X\x03\x00\x00\x00cpuK\x00tQ.",
-    "list arguments": b"\x80\x02c__builtin__\nset\n]]" + _bomb() + b"aaR.",
+    "list arguments": b"\x80\x02c__builtin__\nset\n]]" + tuple_dag(48) + b"aaR.",
 }
 
 
@@ -154,23 +149,25 @@ def test_plain_load_refuses_what_torch_would_hash(name: str) -> None:
 
 def test_plain_load_dry_runs_legacy_files_and_their_storage_keys() -> None:
     head = b"".join(pickle.dumps(v, 2) for v in (0x1950A86A20F9469CFC6C, 1001, {"x": 1}))
-    as_object = head + b"\x80\x02}" + _bomb() + b"K\x01s." + pickle.dumps([], 2)
-    as_key = head + pickle.dumps({}, 2) + b"\x80\x02]" + _bomb() + b"a."
+    as_object = head + b"\x80\x02}" + tuple_dag(48) + b"K\x01s." + pickle.dumps([], 2)
+    as_key = head + pickle.dumps({}, 2) + b"\x80\x02]" + tuple_dag(48) + b"a."
     for data in (as_object, as_key):
         with pytest.raises(CheckpointError, match="hashing visits over"):
             fp8state.checkpoint.load(io.BytesIO(data))
 
 
 def test_unpickler_refuses_calls_hashing_other_iterables_and_persistent_ids() -> None:
-    deque_items = b"\x80\x02c__builtin__\nset\nccollections\ndeque\n]" + _bomb() + b"a\x85R\x85R."
+    deque_items = (
+        b"\x80\x02c__builtin__\nset\nccollections\ndeque\n]" + tuple_dag(48) + b"a\x85R\x85R."
+    )
     with pytest.raises(LegacyFormatError, match="items of a deque"):
         loads(deque_items)
     with pytest.raises(LegacyFormatError, match="hashing visits over"):
-        loads(b"\x80\x02c__builtin__\nset\n]]" + _bomb() + b"aaR.")
+        loads(b"\x80\x02c__builtin__\nset\n]]" + tuple_dag(48) + b"aaR.")
 
 
 def test_nested_blobs_share_the_loads_budget() -> None:
-    zipped = _archive(b"\x80\x02}" + _bomb() + b"K\x01s.")  # a blob that is itself an archive
+    zipped = _archive(b"\x80\x02}" + tuple_dag(48) + b"K\x01s.")  # a blob that is itself an archive
     call = b"\x80\x03ctorch.storage\n_load_from_bytes\nB" + struct.pack("<I", len(zipped))
     with pytest.raises(LegacyFormatError, match="hashing visits over"):
         loads(call + zipped + b"\x85R.")
@@ -184,7 +181,7 @@ def test_nested_blobs_share_the_loads_budget() -> None:
     for _ in range(5):
         _SkipPersistent(file).load()
         ends.append(file.tell())
-    info = b"\x80\x02}(X\x01\x00\x00\x00aK\x01u" + _bomb(19) + b"K\x01s."
+    info = b"\x80\x02}(X\x01\x00\x00\x00aK\x01u" + tuple_dag(19) + b"K\x01s."
     blob = raw[: ends[2]] + info + raw[ends[3] :]
     assert load_storage_blob(blob).nbytes() == 16
     many = b"\x80\x03ctorch.storage\n_load_from_bytes\nq\x01B" + struct.pack("<I", len(blob))
