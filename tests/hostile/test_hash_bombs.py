@@ -181,7 +181,7 @@ def test_nested_blobs_share_the_loads_budget() -> None:
     for _ in range(5):
         _SkipPersistent(file).load()
         ends.append(file.tell())
-    info = b"\x80\x02}(X\x01\x00\x00\x00aK\x01u" + tuple_dag(19) + b"K\x01s."
+    info = b"\x80\x02}(X\x01\x00\x00\x00aK\x01u" + tuple_dag(18) + b"K\x01s."
     blob = raw[: ends[2]] + info + raw[ends[3] :]
     assert load_storage_blob(blob).nbytes() == 16
     many = b"\x80\x03ctorch.storage\n_load_from_bytes\nq\x01B" + struct.pack("<I", len(blob))
