@@ -18,7 +18,7 @@ from fp8state.checkpoint.dcp_files import is_dcp_checkpoint
 from fp8state.cli._paths import existing_path
 from fp8state.cli._terminal import say
 from fp8state.errors import ExportError
-from fp8state.export import CONFIG_FILE, export_state_dict, linear_names
+from fp8state.export import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, export_state_dict, linear_names
 
 NAME = "export"
 HELP = (
@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentile", type=float, help="input amax as this percentile")
     parser.add_argument("--exclude", action="append", default=[], help="module to leave out")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="past this size, weights go into shards with an index (default: 5 GB)",
+    )
 
 
 def _read(src: str) -> Any:
@@ -80,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         percentile=args.percentile,
         exclude=args.exclude,
         overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_bytes,
     )
     say(
         f"wrote {report.out_dir}: {len(report.scales)} FP8 layers, "

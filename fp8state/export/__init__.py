@@ -29,6 +29,7 @@ from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, wri
 from fp8state.export._inspect import describe_export
 from fp8state.export._layers import Plan, join, plan_from_model, plan_from_state_dict
 from fp8state.export._scales import InputScaleRule
+from fp8state.export._shards import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = [
     "export_fp8",
@@ -39,6 +40,7 @@ __all__ = [
     "ExportReport",
     "FORMATS",
     "CONFIG_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
 ]
 
 #: The formats :func:`export_fp8` writes.
@@ -67,6 +69,13 @@ def _check_format(format: str) -> None:
         raise ConfigError("format", repr(format), f"one of {FORMATS}", "Pass 'compressed-tensors'.")
 
 
+def _check_shard_size(max_shard_bytes: int) -> None:
+    if type(max_shard_bytes) is not int or max_shard_bytes < 1:
+        raise ConfigError(
+            "max_shard_bytes", repr(max_shard_bytes), "an int >= 1", "Pass a size in bytes."
+        )
+
+
 def _copied(copy_from: str | os.PathLike[str] | None) -> list[str]:
     if copy_from is None:
         return []
@@ -83,6 +92,7 @@ def _write(
     rule: InputScaleRule,
     copy_from: Iterable[str],
     overwrite: bool,
+    max_shard_bytes: int,
 ) -> ExportReport:
     tensors = quantized_tensors(plan, rule)
     names = {layer.name for layer in plan.layers}
@@ -91,7 +101,7 @@ def _write(
     held = {k[: -len("weight")].rstrip(".") for k in tensors if k.split(".")[-1] == "weight"}
     ignored = sorted(held - names)
     config = {**base_config, "quantization_config": quantization_config(ignored)}
-    write_folder(out_dir, tensors, config, copy_from, overwrite)
+    write_folder(out_dir, tensors, config, copy_from, overwrite, max_shard_bytes)
     scales = {
         n: (tensors[join(n, "weight_scale")].item(), tensors[join(n, "input_scale")].item())
         for n in sorted(names)
@@ -110,6 +120,7 @@ def export_fp8(
     percentile: float | None = None,
     exclude: Iterable[str] = (),
     overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> ExportReport:
     """Write ``model`` as an FP8 inference checkpoint folder.
 
@@ -127,6 +138,8 @@ def export_fp8(
             window instead of the recipe's ``max`` or ``most_recent``.
         exclude: Module names to leave in the training dtype.
         overwrite: Replace an existing ``out_dir``.
+        max_shard_bytes: Past this size (5 GB by default, Hugging Face's) the weights go
+            into ``model-0000i-of-0000n.safetensors`` shards with an index.
 
     Returns:
         What was written, with every scale.
@@ -146,6 +159,7 @@ def export_fp8(
         (['0'], [])
     """
     _check_format(format)
+    _check_shard_size(max_shard_bytes)
     rule = InputScaleRule(window, percentile)
     out = os.fspath(out_dir)
     check_target(out, overwrite)
@@ -153,7 +167,7 @@ def export_fp8(
         to_dict = getattr(getattr(model, "config", None), "to_dict", None)
         config = to_dict() if callable(to_dict) else {}
     plan = plan_from_model(model, set(exclude))
-    return _write(plan, out, config, rule, _copied(copy_from), overwrite)
+    return _write(plan, out, config, rule, _copied(copy_from), overwrite, max_shard_bytes)
 
 
 def export_state_dict(
@@ -167,6 +181,7 @@ def export_state_dict(
     percentile: float | None = None,
     exclude: Iterable[str] = (),
     overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> ExportReport:
     """:func:`export_fp8` of a flat state dict with ``<module>._extra_state`` entries.
 
@@ -184,11 +199,13 @@ def export_state_dict(
         percentile: As in :func:`export_fp8`.
         exclude: As in :func:`export_fp8`.
         overwrite: As in :func:`export_fp8`.
+        max_shard_bytes: As in :func:`export_fp8`.
 
     Raises:
         ExportError: as :func:`export_fp8`, and a layer that is not an ``nn.Linear`` of the
             architecture.
     """
+    _check_shard_size(max_shard_bytes)
     rule = InputScaleRule(window, percentile)
     out = os.fspath(out_dir)
     check_target(out, overwrite)
@@ -202,7 +219,7 @@ def export_state_dict(
                 "Export from Python with the model (fp8state.export_fp8), which knows each "
                 "module's layout, or exclude the module.",
             )
-    return _write(plan, out, config, rule, _copied(copy_from), overwrite)
+    return _write(plan, out, config, rule, _copied(copy_from), overwrite, max_shard_bytes)
 
 
 def read_export(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

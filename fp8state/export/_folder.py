@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from fp8state.errors import ExportError
+from fp8state.export._shards import INDEX_FILE, split
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "COPIED_FILES", "check_target", "write_folder"]
+__all__ = ["CONFIG_FILE", "COPIED_FILES", "check_target", "write_folder"]
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 #: Files a serving stack reads beside the weights, copied from the source folder when present.
 COPIED_FILES = (
     "generation_config.json",
@@ -53,15 +53,17 @@ def write_folder(
     config: dict[str, Any],
     copy_from: Iterable[str],
     overwrite: bool,
+    max_shard_bytes: int,
 ) -> None:
-    """Write ``config.json``, ``model.safetensors`` and the copied files as ``out_dir``.
+    """Write ``config.json``, the weight files and the copied files as ``out_dir``.
 
     Args:
         out_dir: The folder to create (or replace, with ``overwrite``).
-        tensors: What ``model.safetensors`` holds.
+        tensors: What the weight files hold.
         config: What ``config.json`` holds.
         copy_from: Files to copy in (the source folder's tokenizer and generation files).
         overwrite: Replace an existing folder.
+        max_shard_bytes: Past this size the weights go into shards with an index.
     """
     from safetensors.torch import save_file
 
@@ -83,11 +85,13 @@ def write_folder(
     tmp = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
     os.mkdir(tmp)
     try:
-        save_file(
-            {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-            os.path.join(tmp, WEIGHTS_FILE),
-            metadata={"format": "pt"},
-        )
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        files, index = split(cpu, max_shard_bytes)
+        for file_name, shard in files.items():
+            save_file(shard, os.path.join(tmp, file_name), metadata={"format": "pt"})
+        if index is not None:
+            with open(os.path.join(tmp, INDEX_FILE), "w") as file:
+                json.dump(index, file, indent=2, sort_keys=True)
         with open(os.path.join(tmp, CONFIG_FILE), "w") as file:
             file.write(config_text)
         for path in copy_from:

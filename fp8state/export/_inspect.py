@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from fp8state.errors import ExportError
-from fp8state.export._folder import WEIGHTS_FILE
+from fp8state.export._layers import join
+from fp8state.export._shards import weight_files
 
 __all__ = ["describe_export"]
 
@@ -15,29 +15,31 @@ def describe_export(folder: str, quant: dict[str, Any]) -> dict[str, Any]:
     """``{"format", "layers": {name: {shape, weight_scale, input_scale}}, "ignore"}``.
 
     Raises:
-        ExportError: the folder has no ``model.safetensors`` or a layer lacks a scale.
+        ExportError: no weight files, or a layer without its weight or one of its scales.
     """
     from safetensors import safe_open
 
-    path = os.path.join(folder, WEIGHTS_FILE)
-    if not os.path.isfile(path):
-        raise ExportError(folder, f"no {WEIGHTS_FILE}", "the export's weights", "Export again.")
+    found: dict[str, tuple[str, str]] = {}  # tensor name -> (file, key)
+    for path in weight_files(folder):
+        with safe_open(path, framework="pt") as file:
+            found.update((key, (path, key)) for key in file.keys())
     layers: dict[str, Any] = {}
-    with safe_open(path, framework="pt") as file:
-        keys = set(file.keys())
-        for key in sorted(k for k in keys if k.endswith(".weight_scale")):
-            name = key[: -len(".weight_scale")]
-            if f"{name}.input_scale" not in keys or f"{name}.weight" not in keys:
-                raise ExportError(
-                    name,
-                    "a weight_scale alone",
-                    "weight, weight_scale and input_scale",
-                    "The folder is damaged; export again.",
-                )
-            layers[name] = {
-                "shape": list(file.get_slice(f"{name}.weight").get_shape()),
-                "weight_scale": file.get_tensor(key).item(),
-                "input_scale": file.get_tensor(f"{name}.input_scale").item(),
-            }
+    for key in sorted(k for k in found if k.split(".")[-1] == "weight_scale"):
+        name = key[: -len("weight_scale")].rstrip(".")
+        parts = [join(name, leaf) for leaf in ("weight", "weight_scale", "input_scale")]
+        if not all(part in found for part in parts):
+            raise ExportError(
+                name,
+                "a weight_scale without its weight or input_scale",
+                "weight, weight_scale and input_scale",
+                "The folder is damaged; export again.",
+            )
+        with safe_open(found[parts[0]][0], framework="pt") as file:
+            shape = list(file.get_slice(parts[0]).get_shape())
+        scales = []
+        for part in parts[1:]:
+            with safe_open(found[part][0], framework="pt") as file:
+                scales.append(file.get_tensor(part).item())
+        layers[name] = {"shape": shape, "weight_scale": scales[0], "input_scale": scales[1]}
     ignore = list(quant.get("ignore", []))
     return {"format": quant.get("format"), "layers": layers, "ignore": ignore}

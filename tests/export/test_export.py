@@ -15,7 +15,7 @@ from torch import nn
 import fp8state
 from fp8state import quantize, scaling
 from fp8state.errors import ConfigError, ExportError
-from fp8state.export import export_fp8, export_state_dict, read_export
+from fp8state.export import describe_export, export_fp8, export_state_dict, read_export
 from fp8state.slots import FwdSlot, fwd_slot
 
 
@@ -191,3 +191,38 @@ def test_errors_of_a_fused_mlp_name_the_layer(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="inf or NaN") as caught:
         export_fp8(model, tmp_path / "out")
     assert caught.value.key == "2.fc2"
+
+
+def test_large_exports_are_sharded_with_an_index(tmp_path: Path) -> None:
+    model = _trained()
+    export_fp8(model, tmp_path / "one")
+    export_fp8(model, tmp_path / "shards", max_shard_bytes=4096)
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (tmp_path / "shards" / "model.safetensors").exists()
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    merged: dict[str, torch.Tensor] = {}
+    for name in files:
+        merged.update(load_file(tmp_path / "shards" / name))
+    assert index["weight_map"] == {k: n for n in files for k in load_file(tmp_path / "shards" / n)}
+    assert sorted(merged) == sorted(one)
+    assert all(torch.equal(merged[k].view(torch.uint8), one[k].view(torch.uint8)) for k in one)
+    total = sum(t.numel() * t.element_size() for t in one.values())
+    assert index["metadata"]["total_size"] == total
+    assert describe_export(str(tmp_path / "shards"), read_export(tmp_path / "shards")) == (
+        describe_export(str(tmp_path / "one"), read_export(tmp_path / "one"))
+    )
+    with pytest.raises(ConfigError, match="max_shard_bytes"):
+        export_fp8(model, tmp_path / "bad", max_shard_bytes=0)
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    model = _trained()
+    export_fp8(model, tmp_path / "out", max_shard_bytes=4096)
+    index_path = tmp_path / "out" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["0.weight"] = "../../etc/passwd"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ExportError, match="outside the folder"):
+        describe_export(str(tmp_path / "out"), read_export(tmp_path / "out"))

@@ -75,3 +75,15 @@ def test_transformers_loads_the_export_and_follows_the_fp8_forward(tmp_path: Pat
     error = (served - reference).abs().max() / reference.abs().max()
     cosine = torch.nn.functional.cosine_similarity(served.flatten(), reference.flatten(), dim=0)
     assert error < 0.15 and cosine > 0.995, (float(error), float(cosine))
+
+
+def test_transformers_loads_a_sharded_export_as_the_single_file(tmp_path: Path) -> None:
+    model, _ = _trained_llama(tmp_path)
+    export_fp8(model, tmp_path / "one")
+    export_fp8(model, tmp_path / "shards", max_shard_bytes=64 * 1024)
+    assert len(list((tmp_path / "shards").glob("model-*-of-*.safetensors"))) > 1
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        one = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one")(ids).logits
+        shards = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "shards")
+        assert torch.equal(shards(ids).logits, one)
