@@ -27,6 +27,7 @@ from fp8state.checkpoint.dcp_files import (
 )
 from fp8state.checkpoint.distributed import dcp_load, dcp_save
 from fp8state.checkpoint.io import find_legacy_extra_states, load
+from fp8state.checkpoint.names import plain_names
 from fp8state.checkpoint.plain import load_plain_state_dict, to_plain_state_dict
 from fp8state.checkpoint.plain_safetensors import load_safetensors, save_safetensors
 from fp8state.checkpoint.replicated import check_fp8_metadata_replicated
@@ -40,6 +41,7 @@ __all__ = [
     "find_legacy_extra_states",
     "load_plain_state_dict",
     "to_plain_state_dict",
+    "plain_names",
     "save_safetensors",
     "load_safetensors",
     "dcp_save",

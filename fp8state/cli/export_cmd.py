@@ -18,7 +18,13 @@ from fp8state.checkpoint.dcp_files import is_dcp_checkpoint
 from fp8state.cli._paths import existing_path
 from fp8state.cli._terminal import say
 from fp8state.errors import ExportError
-from fp8state.export import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, export_state_dict, linear_names
+from fp8state.export import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_BYTES,
+    architecture,
+    export_state_dict,
+    weight_files,
+)
 
 NAME = "export"
 HELP = (
@@ -48,12 +54,17 @@ def _read(src: str) -> Any:
     if os.path.isdir(src) and os.path.isfile(os.path.join(src, CONFIG_FILE)):
         from safetensors.torch import load_file
 
-        files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
-        if not files:
-            raise ExportError(src, "no .safetensors file", "save_pretrained's weights", "")
         state: dict[str, Any] = {}
-        for name in files:
-            state.update(load_file(os.path.join(src, name)))
+        for path in weight_files(src):  # by the index of a sharded folder
+            try:
+                state.update(load_file(path))
+            except Exception as err:  # safetensors reports damage as its own error types
+                raise ExportError(
+                    path,
+                    f"an unreadable safetensors file ({type(err).__name__})",
+                    "the weights save_pretrained wrote",
+                    "Copy the folder again from its source.",
+                ) from None
         return state
     if is_dcp_checkpoint(src):
         return load_dcp_state_dict(src)
@@ -73,14 +84,25 @@ def run(args: argparse.Namespace) -> int:
         )
     state = _read(args.src)
     if not isinstance(state, dict):
-        raise ExportError(args.src, f"a {type(state).__name__}", "a state dict", "")
-    with open(os.path.join(config_dir, CONFIG_FILE)) as file:
-        config = json.load(file)
+        raise ExportError(
+            args.src,
+            f"a {type(state).__name__}",
+            "a state dict",
+            "Save the model's state_dict() (or use save_pretrained), then export that.",
+        )
+    config_path = os.path.join(config_dir, CONFIG_FILE)
+    try:
+        with open(config_path) as file:
+            config = json.load(file)
+    except ValueError as err:
+        raise ExportError(
+            config_path, f"invalid JSON ({err})", "the model's config.json", "Fix the file."
+        ) from None
     report = export_state_dict(
         state,
         args.out,
         config=config,
-        linear_names=linear_names(config_dir),
+        architecture=architecture(config_dir),
         copy_from=config_dir,
         window=args.window,
         percentile=args.percentile,

@@ -17,8 +17,9 @@ from typing import Any
 
 from torch import nn
 
+from fp8state._shown import shown
 from fp8state.errors import ConfigError, ExportError
-from fp8state.export._architecture import linear_names
+from fp8state.export._architecture import Architecture, architecture
 from fp8state.export._compressed_tensors import (
     FORMAT_NAME,
     QUANT_METHOD,
@@ -29,18 +30,20 @@ from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, wri
 from fp8state.export._inspect import describe_export
 from fp8state.export._layers import Plan, join, plan_from_model, plan_from_state_dict
 from fp8state.export._scales import InputScaleRule
-from fp8state.export._shards import DEFAULT_MAX_SHARD_BYTES
+from fp8state.export._shards import DEFAULT_MAX_SHARD_BYTES, weight_files
 
 __all__ = [
     "export_fp8",
     "export_state_dict",
     "read_export",
     "describe_export",
-    "linear_names",
+    "architecture",
+    "Architecture",
     "ExportReport",
     "FORMATS",
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
+    "weight_files",
 ]
 
 #: The formats :func:`export_fp8` writes.
@@ -94,12 +97,20 @@ def _write(
     overwrite: bool,
     max_shard_bytes: int,
 ) -> ExportReport:
+    if not plan.layers:
+        raise ExportError(
+            out_dir,
+            "no layer to convert"
+            + (f" (not converted: {shown(sorted(plan.kept))})" if plan.kept else ""),
+            "at least one fp8state Linear, LayerNormLinear or LayerNormMLP that ran in FP8",
+            "Convert the model (fp8state.convert_model) and train or calibrate it in FP8.",
+        )
     tensors = quantized_tensors(plan, rule)
     names = {layer.name for layer in plan.layers}
     # Every module left with a weight in the training dtype (embeddings, norms, layers not
     # converted): compressed-tensors matches "Linear" targets, and skips these.
     held = {k[: -len("weight")].rstrip(".") for k in tensors if k.split(".")[-1] == "weight"}
-    ignored = sorted(held - names)
+    ignored = sorted((held | plan.unconverted) - names)
     config = {**base_config, "quantization_config": quantization_config(ignored)}
     write_folder(out_dir, tensors, config, copy_from, overwrite, max_shard_bytes)
     scales = {
@@ -163,11 +174,30 @@ def export_fp8(
     rule = InputScaleRule(window, percentile)
     out = os.fspath(out_dir)
     check_target(out, overwrite)
+    plan = plan_from_model(model, _names(exclude))
+    base = getattr(model, "config", None) if config is None else config
+    return _write(plan, out, _as_dict(base), rule, _copied(copy_from), overwrite, max_shard_bytes)
+
+
+def _names(exclude: Iterable[str]) -> set[str]:
+    if isinstance(exclude, str) or not all(isinstance(n, str) for n in exclude):
+        raise ConfigError(
+            "exclude", shown(exclude), "an iterable of module names", "Pass e.g. ['lm_head']."
+        )
+    return set(exclude)
+
+
+def _as_dict(config: object) -> dict[str, Any]:
+    """A config as plain data: a mapping, or an object with ``to_dict`` (``PretrainedConfig``)."""
     if config is None:
-        to_dict = getattr(getattr(model, "config", None), "to_dict", None)
-        config = to_dict() if callable(to_dict) else {}
-    plan = plan_from_model(model, set(exclude))
-    return _write(plan, out, config, rule, _copied(copy_from), overwrite, max_shard_bytes)
+        return {}
+    to_dict = getattr(config, "to_dict", None)
+    data = to_dict() if callable(to_dict) else config
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            "config", f"a {type(config).__name__}", "a mapping or a PretrainedConfig", ""
+        )
+    return dict(data)
 
 
 def export_state_dict(
@@ -175,7 +205,7 @@ def export_state_dict(
     out_dir: str | os.PathLike[str],
     *,
     config: Mapping[str, Any],
-    linear_names: set[str],
+    architecture: Architecture,
     copy_from: str | os.PathLike[str] | None = None,
     window: int | None = None,
     percentile: float | None = None,
@@ -186,14 +216,18 @@ def export_state_dict(
     """:func:`export_fp8` of a flat state dict with ``<module>._extra_state`` entries.
 
     A state dict does not say which weights are ``nn.Linear``'s (``(out, in)``) and which are
-    laid out otherwise (GPT-2's ``Conv1D`` stores ``(in, out)``): ``linear_names`` says, and a
-    layer outside it is refused rather than written transposed.
+    laid out otherwise (GPT-2's ``Conv1D`` stores ``(in, out)``), nor what a fused module's
+    parts were called: the model's ``architecture`` says. A layer that is not one of its
+    ``nn.Linear`` modules is refused rather than written transposed, and so is any tensor
+    whose name the architecture does not have (a fused ``LayerNormLinear``'s
+    ``layer_norm_weight``: export such models from Python, which knows the original names).
 
     Args:
         state: The state dict (weights and FP8 metadata).
         out_dir: The folder to write.
         config: The model config for ``config.json``.
-        linear_names: Names of the model's ``nn.Linear`` modules (from its architecture).
+        architecture: The model's ``nn.Linear`` names and state-dict keys
+            (:func:`architecture` of its Hugging Face folder).
         copy_from: As in :func:`export_fp8`.
         window: As in :func:`export_fp8`.
         percentile: As in :func:`export_fp8`.
@@ -203,15 +237,25 @@ def export_state_dict(
 
     Raises:
         ExportError: as :func:`export_fp8`, and a layer that is not an ``nn.Linear`` of the
-            architecture.
+            architecture or a tensor it does not have.
     """
     _check_shard_size(max_shard_bytes)
     rule = InputScaleRule(window, percentile)
     out = os.fspath(out_dir)
     check_target(out, overwrite)
-    plan = plan_from_state_dict(state, set(exclude))
+    plan = plan_from_state_dict(state, _names(exclude))
+    strange = sorted(set(plan.tensors) - architecture.keys)
+    if strange:
+        raise ExportError(
+            shown(strange),
+            f"{len(strange)} tensor(s) the model's architecture does not have",
+            "the architecture's own state-dict keys",
+            "Export from Python with fp8state.export_fp8(model), which knows fused modules' "
+            "original names; or strip wrapper prefixes (DDP's module.) from the keys.",
+        )
+    plan.unconverted |= architecture.linears - {layer.name for layer in plan.layers}
     for layer in plan.layers:
-        if layer.name not in linear_names:
+        if layer.name not in architecture.linears:
             raise ExportError(
                 layer.source,
                 f"{layer.name} is not an nn.Linear of the model's architecture",
@@ -219,7 +263,7 @@ def export_state_dict(
                 "Export from Python with the model (fp8state.export_fp8), which knows each "
                 "module's layout, or exclude the module.",
             )
-    return _write(plan, out, config, rule, _copied(copy_from), overwrite, max_shard_bytes)
+    return _write(plan, out, _as_dict(config), rule, _copied(copy_from), overwrite, max_shard_bytes)
 
 
 def read_export(folder: str | os.PathLike[str]) -> dict[str, Any] | None:

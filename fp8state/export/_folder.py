@@ -85,8 +85,7 @@ def write_folder(
     tmp = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp")
     os.mkdir(tmp)
     try:
-        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-        files, index = split(cpu, max_shard_bytes)
+        files, index = split(_unshared(tensors), max_shard_bytes)
         for file_name, shard in files.items():
             save_file(shard, os.path.join(tmp, file_name), metadata={"format": "pt"})
         if index is not None:
@@ -100,6 +99,18 @@ def write_folder(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two sharing storage (safetensors refuses shared memory)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in tensors.items():
+        cpu = value.detach().to("cpu").contiguous()
+        storage = cpu.untyped_storage().data_ptr()
+        out[key] = cpu.clone() if storage in seen and cpu.numel() else cpu
+        seen.add(storage)
+    return out
 
 
 def _publish(tmp: str, out_dir: str, overwrite: bool) -> None:

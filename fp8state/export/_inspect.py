@@ -21,8 +21,16 @@ def describe_export(folder: str, quant: dict[str, Any]) -> dict[str, Any]:
 
     found: dict[str, tuple[str, str]] = {}  # tensor name -> (file, key)
     for path in weight_files(folder):
-        with safe_open(path, framework="pt") as file:
-            found.update((key, (path, key)) for key in file.keys())
+        try:
+            with safe_open(path, framework="pt") as file:
+                found.update((key, (path, key)) for key in file.keys())
+        except Exception as err:  # safetensors reports damage as its own error types
+            raise ExportError(
+                path,
+                f"an unreadable safetensors file ({type(err).__name__})",
+                "the weights fp8state export wrote",
+                "The folder is damaged; export again.",
+            ) from None
     layers: dict[str, Any] = {}
     for key in sorted(k for k in found if k.split(".")[-1] == "weight_scale"):
         name = key[: -len("weight_scale")].rstrip(".")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fp8state.checkpoint import to_plain_state_dict
+from fp8state.checkpoint import plain_names, to_plain_state_dict
 from fp8state.errors import ExportError, FP8StateError
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules import LayerNormLinear, LayerNormMLP, Linear
@@ -73,11 +73,14 @@ class Plan:
         tensors: Every tensor of the model by its plain name, no FP8 metadata.
         layers: The layers converted to FP8.
         kept: FP8 modules not converted, with the reason, by name.
+        unconverted: Linear layers left in the training dtype (a serving stack would
+            otherwise take them for FP8 ones: they go into ``ignore``).
     """
 
     tensors: dict[str, torch.Tensor]
     layers: list[Layer]
     kept: dict[str, str]
+    unconverted: set[str]
 
 
 def _layer(
@@ -114,43 +117,70 @@ def _layer(
     )
 
 
+def _owner(plain_key: str, leaf: str) -> str:
+    """The plain module name of ``plain_key``, the key of its attribute ``leaf``."""
+    return plain_key[: -len(leaf)].rstrip(".")
+
+
+def _tied(model: nn.Module) -> set[int]:
+    """Ids of parameters that more than one module holds (an ``lm_head`` tied to embeddings)."""
+    seen: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, count in seen.items() if count > 1}
+
+
 def plan_from_model(model: nn.Module, exclude: set[str]) -> Plan:
     """The plan of a model holding fp8state modules (see the module docstring).
 
+    Names are the plain ones ``to_plain_state_dict`` writes (no DDP or ``torch.compile``
+    prefix). A layer whose weight is tied to another module's (an ``lm_head`` sharing the
+    embeddings) is not converted: the tie holds in the export only in the training dtype.
+
     Args:
         model: The trained model.
-        exclude: Module names to keep in the training dtype.
+        exclude: Plain module names to keep in the training dtype.
     """
+    names = plain_names(model)
     tensors = to_plain_state_dict(model)
+    tied = _tied(model)
     layers: list[Layer] = []
     kept: dict[str, str] = {}
+    linears: set[str] = set()  # plain names of every Linear-like module, converted or not
     for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            linears.add(_owner(names[join(name, "weight")], "weight"))
         if not isinstance(module, FP8StateMixin) or not module.fp8_num_gemms:
             continue
-        if name in exclude:
-            kept[name] = "excluded"
+        mlp = isinstance(module, LayerNormMLP)
+        gemms = [(w, b, s) for w, b, s in _MLP] if mlp else [("weight", "bias", None)]
+        plain = _owner(names[join(name, gemms[0][0])], gemms[0][0])
+        targets = [join(plain, s) if s else plain for _, _, s in gemms]
+        if not isinstance(module, (Linear, LayerNormLinear, LayerNormMLP)):
+            kept[plain] = f"a {type(module).__name__}, not an nn.Linear layout"
+            continue
+        linears.update(targets)
+        if plain in exclude:
+            kept[plain] = "excluded"
+            continue
+        if any(id(getattr(module, w)) in tied for w, _, _ in gemms):
+            kept[plain] = "its weight is tied to another module's"
             continue
         payload = module.get_extra_state()
-        if isinstance(module, (Linear, LayerNormLinear)):
-            key = join(name, "weight")
-            layers.append(_layer(name, name, key, None, module.weight, payload, 0))
-        elif isinstance(module, LayerNormMLP):
-            for gemm, (weight, bias, short) in enumerate(_MLP):
-                bias_key = join(name, bias) if join(name, bias) in tensors else None
-                layers.append(
-                    _layer(
-                        join(name, short),
-                        name,
-                        join(name, weight),
-                        bias_key,
-                        getattr(module, weight),
-                        payload,
-                        gemm,
-                    )
+        for gemm, ((weight, bias, _), target) in enumerate(zip(gemms, targets, strict=True)):
+            bias_key = names.get(join(name, bias))
+            layers.append(
+                _layer(
+                    target,
+                    plain,
+                    names[join(name, weight)],
+                    bias_key if mlp and bias_key in tensors else None,
+                    getattr(module, weight),
+                    payload,
+                    gemm,
                 )
-        else:
-            kept[name] = f"a {type(module).__name__}, not an nn.Linear layout"
-    return Plan(tensors, layers, kept)
+            )
+    return Plan(tensors, layers, kept, linears - {layer.name for layer in layers})
 
 
 def plan_from_state_dict(state: Mapping[str, object], exclude: set[str]) -> Plan:
@@ -202,4 +232,4 @@ def plan_from_state_dict(state: Mapping[str, object], exclude: set[str]) -> Plan
                 )
         else:
             kept[module] = f"{gemms} GEMMs and no weight key this export knows"
-    return Plan(tensors, layers, kept)
+    return Plan(tensors, layers, kept, set(kept))

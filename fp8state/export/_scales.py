@@ -38,7 +38,9 @@ class InputScaleRule:
                 "window", repr(self.window), "an int >= 1, or None", "Pass a number of steps."
             )
         if self.percentile is not None and not (
-            isinstance(self.percentile, (int, float)) and 0 < self.percentile <= 100
+            isinstance(self.percentile, (int, float))
+            and not isinstance(self.percentile, bool)
+            and 0 < self.percentile <= 100
         ):
             raise ConfigError(
                 "percentile",

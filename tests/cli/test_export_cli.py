@@ -71,3 +71,14 @@ def test_gpt2_conv1d_layers_are_refused_not_transposed(tmp_path: Path, capsys) -
     assert main(["export", str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 1
     assert "not an nn.Linear" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_hugging_face_folder_is_read_through_its_index(tmp_path: Path) -> None:
+    model, hf = _llama(tmp_path)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    (tmp_path / "sharded" / "stale.safetensors").write_bytes(b"not read")  # not in the index
+    assert main(["export", str(hf), str(tmp_path / "a")]) == 0
+    assert main(["export", str(tmp_path / "sharded"), str(tmp_path / "b")]) == 0
+    a, b = ((tmp_path / d / "model.safetensors").read_bytes() for d in "ab")
+    assert a == b

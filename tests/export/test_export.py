@@ -15,7 +15,13 @@ from torch import nn
 import fp8state
 from fp8state import quantize, scaling
 from fp8state.errors import ConfigError, ExportError
-from fp8state.export import describe_export, export_fp8, export_state_dict, read_export
+from fp8state.export import (
+    Architecture,
+    describe_export,
+    export_fp8,
+    export_state_dict,
+    read_export,
+)
 from fp8state.slots import FwdSlot, fwd_slot
 
 
@@ -107,8 +113,8 @@ def test_module_never_run_in_fp8_is_refused_and_nothing_written(tmp_path: Path) 
         export_fp8(model, tmp_path / "out")
     assert caught.value.key == "0"
     assert _nothing_written(tmp_path / "out")
-    export_fp8(model, tmp_path / "out", exclude=["0"])  # left out: exported in float32
-    assert read_export(tmp_path / "out")["ignore"] == ["0"]
+    with pytest.raises(ExportError, match="no layer to convert"):  # left out: nothing left
+        export_fp8(model, tmp_path / "out", exclude=["0"])
 
 
 def test_non_finite_weight_and_zero_scale_are_refused(tmp_path: Path) -> None:
@@ -149,17 +155,34 @@ def test_existing_folder_needs_overwrite_and_is_replaced_whole(tmp_path: Path) -
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
 
 
-def test_state_dict_export_refuses_layers_outside_the_linear_names(tmp_path: Path) -> None:
+def _architecture(model: nn.Module, linears: set[str]) -> Architecture:
+    keys = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    return Architecture(frozenset(linears), frozenset(keys))
+
+
+def test_state_dict_export_refuses_what_the_architecture_does_not_have(tmp_path: Path) -> None:
     model = _trained()
     state = model.state_dict()
     with pytest.raises(ExportError, match="not an nn.Linear"):
-        export_state_dict(state, tmp_path / "out", config={}, linear_names={"0"})
+        export_state_dict(
+            state, tmp_path / "out", config={}, architecture=_architecture(model, {"0"})
+        )
+    with pytest.raises(ExportError, match="does not have"):
+        export_state_dict(
+            {"extra.weight": torch.ones(2), **state},
+            tmp_path / "out",
+            config={},
+            architecture=_architecture(model, {"0", "2.fc1", "2.fc2", "3"}),
+        )
     assert _nothing_written(tmp_path / "out")
     report = export_state_dict(
-        state, tmp_path / "out", config={"model_type": "x"}, linear_names={"0", "2.fc1", "2.fc2"}
+        state,
+        tmp_path / "out",
+        config={"model_type": "x"},
+        architecture=_architecture(model, {"0", "2.fc1", "2.fc2", "3"}),
     )
     direct = export_fp8(model, tmp_path / "direct")
-    assert report.scales == direct.scales
+    assert report.scales == direct.scales and report.ignored == direct.ignored == ["3"]
     a = load_file(tmp_path / "out" / "model.safetensors")
     b = load_file(tmp_path / "direct" / "model.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k].float(), b[k].float()) for k in a)
@@ -226,3 +249,59 @@ def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path: Path) -> 
     index_path.write_text(json.dumps(index))
     with pytest.raises(ExportError, match="outside the folder"):
         describe_export(str(tmp_path / "out"), read_export(tmp_path / "out"))
+
+
+def test_wrapped_models_export_under_plain_names(tmp_path: Path) -> None:
+    model = _trained()
+    plain = export_fp8(model, tmp_path / "plain")
+    compiled = export_fp8(torch.compile(model), tmp_path / "compiled")
+    assert compiled.scales == plain.scales and compiled.ignored == plain.ignored
+    a = load_file(tmp_path / "plain" / "model.safetensors")
+    b = load_file(tmp_path / "compiled" / "model.safetensors")
+    assert sorted(a) == sorted(b)
+
+
+def test_a_fused_layernorm_linear_exports_under_the_original_names(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64))
+    fp8state.convert_model(model, layernorm_linear=[("0", "1")])
+    with fp8state.fp8_autocast():
+        model(torch.randn(8, 32)).sum().backward()
+    report = export_fp8(model, tmp_path / "out")
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(report.scales) == {"1"}
+    assert sorted(tensors) == [
+        "0.bias",
+        "0.weight",
+        "1.bias",
+        "1.input_scale",
+        "1.weight",
+        "1.weight_scale",
+    ]
+
+
+def test_a_tied_layer_stays_in_the_training_dtype(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(64, 32), nn.Linear(32, 64, bias=False)
+    head.weight = embed.weight
+    model = nn.ModuleDict({"embed": embed, "head": head, "proj": nn.Linear(32, 32)})
+    fp8state.convert_model(model)
+    with fp8state.fp8_autocast():
+        x = model["embed"](torch.randint(0, 64, (8,)))
+        model["head"](model["proj"](x)).sum().backward()
+    report = export_fp8(model, tmp_path / "out")
+    assert set(report.scales) == {"proj"} and "head" in report.kept
+    assert "head" in report.ignored
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert tensors["head.weight"].dtype == torch.float32
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    model = _trained()
+    with pytest.raises(ConfigError, match="exclude"):
+        export_fp8(model, tmp_path / "out", exclude="0")
+    with pytest.raises(ConfigError, match="percentile"):
+        export_fp8(model, tmp_path / "out", percentile=True)
+    with pytest.raises(ExportError, match="no layer to convert"):
+        export_fp8(nn.Sequential(nn.Linear(16, 16)), tmp_path / "out")
+    assert _nothing_written(tmp_path / "out")

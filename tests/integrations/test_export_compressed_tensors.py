@@ -87,3 +87,30 @@ def test_transformers_loads_a_sharded_export_as_the_single_file(tmp_path: Path) 
         one = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one")(ids).logits
         shards = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "shards")
         assert torch.equal(shards(ids).logits, one)
+
+
+def test_a_tied_lm_head_loads_from_python_and_from_the_cli(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = tiny_llama_config()
+    config.tie_word_embeddings = True
+    model = fp8state.convert_model(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 128, (2, 16))
+    with fp8state.fp8_autocast():
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.save_pretrained(tmp_path / "hf")  # drops the tied lm_head.weight, keeps its metadata
+    from fp8state.cli import main
+
+    report = export_fp8(model, tmp_path / "py")
+    assert main(["export", str(tmp_path / "hf"), str(tmp_path / "cli")]) == 0
+    model.eval()
+    with torch.no_grad(), fp8state.fp8_autocast():
+        reference = model(ids).logits.float()
+    for out in ("py", "cli"):
+        config_json = json.loads((tmp_path / out / "config.json").read_text())
+        assert "lm_head" in config_json["quantization_config"]["ignore"]
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out)
+        with torch.no_grad():
+            served = loaded(ids).logits.float()
+        error = (served - reference).abs().max() / reference.abs().max()
+        assert error < 0.15, (out, float(error))
+    assert "lm_head" in report.kept
