@@ -59,12 +59,15 @@ class Unpickler(_PyUnpickler):
     that calls what ``find_class`` returned refuses the classes allowed only as markers, and
     ``BUILD`` (which sets state on an object) reaches only objects this load itself created,
     through :meth:`setstate`'s checks: never a class, a function or anything else reachable
-    from a module, so no load changes the process. Other readers (DCP's metadata) subclass it
-    with their own ``find_class`` and :meth:`setstate`.
+    from a module, so no load changes the process. Every opcode that hashes (a dict key, a set
+    element, the items of a ``set``/``OrderedDict`` call, a persistent id) charges it first
+    to the load's :class:`~fp8state._te.hash_budget.HashBudget`. Other readers (DCP's
+    metadata) subclass it with their own ``find_class`` and :meth:`setstate`.
 
     Raises:
         UnsafeCheckpointError: the pickle names a global outside the allow-list.
-        LegacyFormatError: it calls a marker, or sets state it may not.
+        LegacyFormatError: it calls a marker, sets state it may not, or builds keys whose
+            hashing would pass the budget.
     """
 
     dispatch = dict(_PyUnpickler.dispatch)
