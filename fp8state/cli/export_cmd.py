@@ -23,6 +23,7 @@ from fp8state.export import (
     DEFAULT_MAX_SHARD_BYTES,
     architecture,
     export_state_dict,
+    unreadable,
     weight_files,
 )
 
@@ -59,12 +60,7 @@ def _read(src: str) -> Any:
             try:
                 state.update(load_file(path))
             except Exception as err:  # safetensors reports damage as its own error types
-                raise ExportError(
-                    path,
-                    f"an unreadable safetensors file ({type(err).__name__})",
-                    "the weights save_pretrained wrote",
-                    "Copy the folder again from its source.",
-                ) from None
+                raise unreadable(path, err, "save_pretrained") from None
         return state
     if is_dcp_checkpoint(src):
         return load_dcp_state_dict(src)

@@ -30,7 +30,7 @@ from fp8state.export._folder import CONFIG_FILE, COPIED_FILES, check_target, wri
 from fp8state.export._inspect import describe_export
 from fp8state.export._layers import Plan, join, plan_from_model, plan_from_state_dict
 from fp8state.export._scales import InputScaleRule
-from fp8state.export._shards import DEFAULT_MAX_SHARD_BYTES, weight_files
+from fp8state.export._shards import DEFAULT_MAX_SHARD_BYTES, unreadable, weight_files
 
 __all__ = [
     "export_fp8",
@@ -44,6 +44,7 @@ __all__ = [
     "CONFIG_FILE",
     "DEFAULT_MAX_SHARD_BYTES",
     "weight_files",
+    "unreadable",
 ]
 
 #: The formats :func:`export_fp8` writes.

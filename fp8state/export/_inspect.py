@@ -6,7 +6,7 @@ from typing import Any
 
 from fp8state.errors import ExportError
 from fp8state.export._layers import join
-from fp8state.export._shards import weight_files
+from fp8state.export._shards import unreadable, weight_files
 
 __all__ = ["describe_export"]
 
@@ -25,12 +25,7 @@ def describe_export(folder: str, quant: dict[str, Any]) -> dict[str, Any]:
             with safe_open(path, framework="pt") as file:
                 found.update((key, (path, key)) for key in file.keys())
         except Exception as err:  # safetensors reports damage as its own error types
-            raise ExportError(
-                path,
-                f"an unreadable safetensors file ({type(err).__name__})",
-                "the weights fp8state export wrote",
-                "The folder is damaged; export again.",
-            ) from None
+            raise unreadable(path, err, "fp8state export") from None
     layers: dict[str, Any] = {}
     for key in sorted(k for k in found if k.split(".")[-1] == "weight_scale"):
         name = key[: -len("weight_scale")].rstrip(".")

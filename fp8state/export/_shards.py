@@ -15,7 +15,14 @@ import torch
 
 from fp8state.errors import ExportError
 
-__all__ = ["WEIGHTS_FILE", "INDEX_FILE", "DEFAULT_MAX_SHARD_BYTES", "split", "weight_files"]
+__all__ = [
+    "WEIGHTS_FILE",
+    "INDEX_FILE",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "split",
+    "weight_files",
+    "unreadable",
+]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,3 +88,13 @@ def weight_files(folder: str) -> list[str]:
                 "Export again.",
             )
     return [os.path.join(folder, name) for name in sorted(names)]
+
+
+def unreadable(path: str, err: BaseException, written_by: str) -> ExportError:
+    """The error for a weight file safetensors cannot read (it raises its own error types)."""
+    return ExportError(
+        path,
+        f"an unreadable safetensors file ({type(err).__name__})",
+        f"the weights {written_by} wrote",
+        "The folder is damaged or incomplete; copy or write it again.",
+    )
