@@ -37,7 +37,11 @@ COPIED_FILES = (
 
 
 def check_target(out_dir: str, overwrite: bool) -> None:
-    """Refuse an existing ``out_dir`` unless ``overwrite``, before any work is done."""
+    """Refuse ``out_dir`` before any work: no parent folder, or existing without overwrite."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out_dir))):
+        raise ExportError(
+            out_dir, "no parent folder", "a path inside an existing folder", "Create it first."
+        )
     if os.path.lexists(out_dir) and not (overwrite and os.path.isdir(out_dir)):
         raise ExportError(
             out_dir,
@@ -64,15 +68,13 @@ def write_folder(
         copy_from: Files to copy in (the source folder's tokenizer and generation files).
         overwrite: Replace an existing folder.
         max_shard_bytes: Past this size the weights go into shards with an index.
+
+    The callers refuse an existing ``out_dir`` (:func:`check_target`) before any work; the
+    final rename checks again, for a folder that appeared meanwhile.
     """
     from safetensors.torch import save_file
 
-    check_target(out_dir, overwrite)
     parent, name = os.path.split(os.path.abspath(out_dir))
-    if not os.path.isdir(parent):
-        raise ExportError(
-            out_dir, "no parent folder", "a path inside an existing folder", "Create it first."
-        )
     try:  # before any byte is written: a config json cannot hold fails here
         config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     except (TypeError, ValueError) as err:

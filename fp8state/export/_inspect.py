@@ -19,30 +19,35 @@ def describe_export(folder: str, quant: dict[str, Any]) -> dict[str, Any]:
     """
     from safetensors import safe_open
 
-    found: dict[str, tuple[str, str]] = {}  # tensor name -> (file, key)
+    # One pass over each file: every tensor's shape from the header, each scale's value.
+    shapes: dict[str, list[int]] = {}
+    scales: dict[str, float] = {}
     for path in weight_files(folder):
         try:
             with safe_open(path, framework="pt") as file:
-                found.update((key, (path, key)) for key in file.keys())
+                for key in file.keys():
+                    shapes[key] = list(file.get_slice(key).get_shape())
+                    if key.split(".")[-1] in ("weight_scale", "input_scale"):
+                        scales[key] = file.get_tensor(key).item()
         except Exception as err:  # safetensors reports damage as its own error types
             raise unreadable(path, err, "fp8state export") from None
     layers: dict[str, Any] = {}
-    for key in sorted(k for k in found if k.split(".")[-1] == "weight_scale"):
+    for key in sorted(k for k in shapes if k.split(".")[-1] == "weight_scale"):
         name = key[: -len("weight_scale")].rstrip(".")
-        parts = [join(name, leaf) for leaf in ("weight", "weight_scale", "input_scale")]
-        if not all(part in found for part in parts):
+        weight, weight_scale, input_scale = (
+            join(name, leaf) for leaf in ("weight", "weight_scale", "input_scale")
+        )
+        if weight not in shapes or input_scale not in scales:
             raise ExportError(
                 name,
                 "a weight_scale without its weight or input_scale",
                 "weight, weight_scale and input_scale",
                 "The folder is damaged; export again.",
             )
-        with safe_open(found[parts[0]][0], framework="pt") as file:
-            shape = list(file.get_slice(parts[0]).get_shape())
-        scales = []
-        for part in parts[1:]:
-            with safe_open(found[part][0], framework="pt") as file:
-                scales.append(file.get_tensor(part).item())
-        layers[name] = {"shape": shape, "weight_scale": scales[0], "input_scale": scales[1]}
+        layers[name] = {
+            "shape": shapes[weight],
+            "weight_scale": scales[weight_scale],
+            "input_scale": scales[input_scale],
+        }
     ignore = list(quant.get("ignore", []))
     return {"format": quant.get("format"), "layers": layers, "ignore": ignore}
