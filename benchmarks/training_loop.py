@@ -271,7 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
         "seconds": round(time.perf_counter() - started, 1),
-        "command": "python benchmarks/training_loop.py" + (" --quick" if args.quick else ""),
+        "command": "python benchmarks/training_loop.py"
+        + (" --quick" if args.quick else "")
+        + (" --skip " + " ".join(args.skip) if args.skip else ""),
     }
     print(json.dumps(result, indent=2))
     if args.out is not None:

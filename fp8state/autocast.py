@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fp8state._runtime import recompute
+from fp8state._runtime import context_stack
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 from fp8state.backends import BACKENDS
 from fp8state.errors import ConfigError
@@ -58,13 +58,7 @@ class FP8Context:
     gemm_backend: str
 
 
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[FP8Context] = []
-        self.fwd_pending: PendingSteps | None = None
-
-
-_THREAD = _ThreadState()
+_THREAD = context_stack.THREAD
 # Recipes are frozen: one default instance serves every context (building one per step costs
 # host time in a loop that may be launch-bound).
 _DEFAULT_RECIPE = DelayedScaling()
@@ -225,13 +219,15 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 f"one of {BACKENDS}",
                 "Pass gemm_backend='auto'.",
             )
-        self._ctx = FP8Context(
-            enabled=bool(enabled),
-            calibrating=bool(calibrating),
-            recipe=fp8_recipe or _DEFAULT_RECIPE,
-            group=fp8_group,
-            gemm_backend=gemm_backend,
+        # The constructor's arguments: a compiled graph builds its own equal context from them.
+        self._fields = (
+            bool(enabled),
+            bool(calibrating),
+            fp8_recipe or _DEFAULT_RECIPE,
+            fp8_group,
+            gemm_backend,
         )
+        self._ctx = FP8Context(*self._fields)
         self._entered = False
 
     def __enter__(self) -> fp8_autocast:
@@ -243,19 +239,17 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 "Create a new fp8_autocast(...) for each `with` block.",
             )
         self._entered = True
-        if not _THREAD.stack and not recompute.replaying():
-            # Outermost: its exit updates the scales. Not in a recomputation, which replays
-            # its forward's scales and leaves the pending set None: nothing to update.
-            _THREAD.fwd_pending = PendingSteps()
-        _THREAD.stack.append(self._ctx)
+        if torch.compiler.is_compiling():  # the graph enters at runtime, in order
+            context_stack.compiled_enter(self._ctx, self._fields)
+        else:
+            context_stack.push(self._ctx)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         try:
-            _THREAD.stack.pop()
-            if not _THREAD.stack:
-                pending, _THREAD.fwd_pending = _THREAD.fwd_pending, None
-                if pending is not None and pending.groups:  # not for a step without FP8
-                    reduce_and_update("fwd", pending)
+            if torch.compiler.is_compiling():
+                context_stack.compiled_exit()
+            else:
+                context_stack.pop()
         finally:
             self._entered = False

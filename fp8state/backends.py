@@ -23,6 +23,7 @@ __all__ = [
     "resolve_backend",
     "fp8_gemm",
     "min_gemm_macs",
+    "gemm_runs_as",
 ]
 
 BACKENDS = ("auto", "emulated", "scaled_mm")
@@ -92,8 +93,19 @@ def min_gemm_macs(backend: str, override: int | None) -> int:
     return DEFAULT_MIN_GEMM_MACS[backend] if override is None else override
 
 
-def _fits_scaled_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape[1] % _SCALED_MM_ALIGN == 0 and b.shape[1] % _SCALED_MM_ALIGN == 0
+def gemm_runs_as(backend: str, inner: int, cols: int) -> str:
+    """What :func:`fp8_gemm` runs for ``backend`` with inner dimension ``inner`` and ``cols``.
+
+    ``torch._scaled_mm`` takes only multiples of 16; other shapes run the emulation.
+
+    Example:
+        >>> from fp8state.backends import gemm_runs_as
+        >>> gemm_runs_as("scaled_mm", 2048, 1024), gemm_runs_as("scaled_mm", 2048, 1000)
+        ('scaled_mm', 'emulated')
+    """
+    if backend == "scaled_mm" and (inner % _SCALED_MM_ALIGN or cols % _SCALED_MM_ALIGN):
+        return "emulated"
+    return backend
 
 
 def fp8_gemm(
@@ -125,7 +137,7 @@ def fp8_gemm(
         The product and the backend that computed it: ``"scaled_mm"`` falls back to
         ``"emulated"`` for shapes the kernel cannot take (dimensions not multiples of 16).
     """
-    if backend == "scaled_mm" and _fits_scaled_mm(a_fp8, b_fp8):
+    if gemm_runs_as(backend, a_fp8.shape[1], b_fp8.shape[1]) == "scaled_mm":
         # The kernel fuses a bias only for 16-bit outputs of the bias's dtype (torch 2.11
         # refuses one with float32 output); otherwise it is added afterwards.
         fused_bias = (

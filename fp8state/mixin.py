@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from fp8state import scaling
-from fp8state._runtime import meta_io, recompute, staging
+from fp8state._runtime import handles, meta_io, recompute, staging
 from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES
 from fp8state._runtime.friend import StepBookkeeping
 from fp8state._runtime.generation import bump_buffer_generation
-from fp8state._runtime.slot_cast import kernels_available
+from fp8state._runtime.scale_update import update_direction_
 from fp8state.errors import ConfigError, FP8StateError
 from fp8state.recipe import DEFAULT_HISTORY_ROWS, DelayedScaling
 from fp8state.schema import DIRECTIONS, EXTRA_STATE_KEY, DirectionState, FP8State
@@ -107,6 +107,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         self._fp8_mutations = 0  # see StepBookkeeping
         bump_buffer_generation()  # a new module may reuse a dead one's id()
         staging.register(self)
+        handles.register(self)
         self._fp8_new_step: dict[Direction, bool] = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
         self.fp8_weight_cache: dict[
@@ -126,6 +127,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         if self._fp8_num_gemms is not None:
             bump_buffer_generation()
             staging.register(self)
+            handles.register(self)
 
     # ------------------------------------------------------------------ metadata access
     @property
@@ -280,32 +282,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         recipe = recipe or self._fp8_recipe
         if recipe is not self._fp8_recipe:
             self.fp8_recipe = recipe  # grows the buffers first if the window needs more rows
-        meta = self.fp8_meta(direction)
-        window, algo = recipe.amax_history_len, recipe.amax_compute_algo
-        fp8_max, margin = recipe.fp8_format.max(direction), recipe.margin
-        if kernels_available(meta.scale.device):
-            from fp8state._kernels.triton_update import update_scales_
-
-            update_scales_(
-                meta.amax_history,
-                meta.scale,
-                meta.scale_inv,
-                window=window,
-                algo=algo,
-                fp8_max=fp8_max,
-                margin=margin,
-            )
-        else:
-            scale, scale_inv = scaling.update_scale(
-                meta.amax_history,
-                meta.scale,
-                window=window,
-                algo=algo,
-                fp8_max=fp8_max,
-                margin=margin,
-            )
-            meta.scale.copy_(scale)
-            meta.scale_inv.copy_(scale_inv)
+        update_direction_(self.fp8_meta(direction), recipe, direction)
         self._fp8_close_step(direction)
 
     def _fp8_ensure_rows(self, rows: int) -> None:

@@ -27,11 +27,13 @@ from fp8state import autocast
 from fp8state._runtime import recompute
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
-from fp8state._runtime.slot_cast import cast_slot, transpose_fp8
+from fp8state._runtime.slot_cast import transpose_fp8
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
+from fp8state.functional import _compiled
+from fp8state.functional._slot import cast_for as _cast_slot
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
-from fp8state.slots import BwdSlot, Direction, FwdSlot, bwd_slot, fwd_slot
+from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = ["linear", "fp8_backend", "as_2d", "like_input"]
 
@@ -56,6 +58,8 @@ def linear(
             amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
             optimizer step, where the weight has not changed).
     """
+    if torch.compiler.is_compiling():  # no graph break, no guard on Python state
+        return _compiled.linear(module, inp, weight, bias, gemm, is_first_microbatch)
     if recompute.replaying():
         return _replay(module, inp, weight, bias, gemm)
     ctx = autocast.active_context()
@@ -136,49 +140,6 @@ def as_2d(inp: torch.Tensor) -> torch.Tensor:
 def like_input(out_2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
     """A ``(tokens, n)`` result shaped ``(..., n)`` like ``inp``'s leading dimensions."""
     return out_2d if inp.dim() == 2 else out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
-
-
-def _cast_slot(
-    module: FP8StateMixin,
-    direction: Direction,
-    slot: int,
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    transpose: bool,
-    column_sums: bool = False,
-    op: str = "identity",
-    aux: torch.Tensor | None = None,
-    replay: ForwardRecord | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Cast ``x`` with ``slot``'s scale, recording its amax: FP8, transpose, inverse scale.
-
-    ``column_sums`` also returns the column sums from the same pass (a bias gradient);
-    ``op``/``aux`` cast a function of ``x`` instead (:func:`fp8state._runtime.slot_cast.cast_slot`).
-    ``replay``: a recomputation casts with its forward's scales and records into a scratch
-    history, leaving the module's metadata alone.
-    """
-    if replay is None:
-        hist, scale, scale_inv = module.fp8_meta(direction)
-        new_step = module.fp8_open_record(direction)
-    else:
-        scales = replay.scales
-        assert scales is not None  # records of FP8 calls carry their scales
-        hist, scale, scale_inv, new_step = scales.scratch(), scales.scale, scales.scale_inv, False
-    # The inverse scale comes back as a copy: the live one changes when the step ends,
-    # before backward runs.
-    return cast_slot(
-        x.contiguous(),
-        scale,
-        scale_inv,
-        hist,
-        slot,
-        fp8_dtype,
-        transpose=transpose,
-        new_step=new_step,
-        column_sums=column_sums,
-        op=op,
-        aux=aux,
-    )
 
 
 def _cast_weight(

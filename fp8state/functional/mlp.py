@@ -63,6 +63,8 @@ def gelu_mlp(
     while calibrating, and where either GEMM is below the module's FP8 threshold
     (``fp8_min_gemm_macs``), so that fallback stays per GEMM and inspectable.
     """
+    if torch.compiler.is_compiling():
+        return None  # compiled as two GEMMs (fp8state.functional._compiled)
     weights = (fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     if recompute.replaying():  # a recomputation: the forward's decision and scales
         replay = recompute.take(module, MLP_SITE)

@@ -21,6 +21,7 @@ DOCS_WITH_CODE = [
     "docs/lightning.md",
     "docs/huggingface.md",
     "docs/graphs.md",
+    "docs/compile.md",
 ]
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -8,7 +8,7 @@ from _helpers.state import fields
 
 import fp8state
 from fp8state import autocast
-from fp8state._runtime import amax_reduction
+from fp8state._runtime import amax_reduction, context_stack
 from fp8state.errors import ConfigError
 from fp8state.recipe import DelayedScaling
 
@@ -128,7 +128,8 @@ def test_backward_updates_once_per_pass_for_all_modules(monkeypatch, seed: int) 
         calls.append((direction, len(pending)))
         real(direction, pending)
 
-    monkeypatch.setattr(autocast, "reduce_and_update", spy)
+    monkeypatch.setattr(autocast, "reduce_and_update", spy)  # backward's
+    monkeypatch.setattr(context_stack, "reduce_and_update", spy)  # the context exit's
     model = torch.nn.Sequential(
         fp8state.Linear(H, H), fp8state.LayerNormMLP(H, 32), fp8state.Linear(H, 4)
     )

@@ -19,8 +19,10 @@ from torch import nn
 
 import fp8state
 import fp8state.autocast as autocast_mod
+import fp8state.functional._slot as slot_mod
 import fp8state.functional.linear as linear_mod
 import fp8state.functional.mlp as mlp_mod
+from fp8state._runtime import context_stack
 
 
 @pytest.fixture
@@ -35,12 +37,12 @@ def count(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
         return wrapper
 
-    monkeypatch.setattr(linear_mod, "cast_slot", counted("cast", linear_mod.cast_slot))
+    monkeypatch.setattr(slot_mod, "cast_slot", counted("cast", slot_mod.cast_slot))
     monkeypatch.setattr(linear_mod, "fp8_gemm", counted("gemm", linear_mod.fp8_gemm))
     monkeypatch.setattr(mlp_mod, "fp8_gemm", counted("gemm", mlp_mod.fp8_gemm))
-    monkeypatch.setattr(
-        autocast_mod, "reduce_and_update", counted("update", autocast_mod.reduce_and_update)
-    )
+    # Forward updates at the context's exit, backward updates at the end of backward.
+    for owner in (context_stack, autocast_mod):
+        monkeypatch.setattr(owner, "reduce_and_update", counted("update", owner.reduce_and_update))
     return calls
 
 

@@ -1,0 +1,125 @@
+"""An FP8 GEMM as ``torch.compile`` traces it: no graph break, no guard on the module's state.
+
+:func:`linear` is what :func:`fp8state.functional.linear.linear` runs while Dynamo traces. The
+decisions (FP8 or high precision, the backend, the dtypes) come from the ``fp8_autocast`` in
+force and the shapes, which Dynamo guards on as usual; everything that changes from step to
+step stays out of the trace, in the custom operators of :mod:`._ops`. So a compiled step runs
+the numbers of an eager one: the same casts with the same scales, the same amax records and
+scale updates (at the ``fp8_autocast`` exit, and at the end of backward).
+
+What a compiled call does not do: cache FP8 weights across micro-batches
+(``is_first_microbatch`` raises), or replay a recomputation (activation checkpointing inside
+the compiled region raises at runtime); the fused GELU MLP runs as its two GEMMs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fp8state import autocast
+from fp8state._runtime.context_stack import TOKEN
+from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
+from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse
+from fp8state.mixin import FP8StateMixin
+from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
+
+__all__ = ["linear"]
+
+
+def linear(
+    module: FP8StateMixin,
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemm: int,
+    is_first_microbatch: bool | None,
+) -> torch.Tensor:
+    """:func:`fp8state.functional.linear.linear` for a graph being compiled."""
+    ctx = autocast.active_context()
+    if ctx is None:
+        return F.linear(inp, weight, bias)
+    if is_first_microbatch is not None:  # raised when the graph runs
+        refuse(
+            f"{type(module).__name__}.forward(is_first_microbatch=...)",
+            repr(is_first_microbatch),
+            "None under torch.compile (FP8 weights are cast every call)",
+            "Drop is_first_microbatch from compiled calls, or run them eagerly.",
+        )
+    handle = id(module)
+    inp_2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+    if not ctx.enabled:  # calibrating: record, compute in high precision
+        record_op(inp_2d, handle, fwd_slot(gemm, FwdSlot.INPUT), TOKEN)
+        record_op(weight, handle, fwd_slot(gemm, FwdSlot.WEIGHT), TOKEN)
+        return F.linear(inp, weight, bias)
+    backend = _resolved(ctx.gemm_backend, inp.device)
+    if inp.numel() * weight.shape[0] < min_gemm_macs(backend, module.fp8_min_gemm_macs):
+        module.fp8_last_gemm_backend = "high_precision"
+        return F.linear(inp, weight, bias)
+    fp8_format = ctx.recipe.fp8_format
+    how = (handle, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
+    out = _CompiledFP8Linear.apply(inp_2d, weight, bias, how)
+    return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+
+
+@torch.compiler.assume_constant_result
+def _resolved(requested: str, device: torch.device) -> str:
+    # Run as it is, not traced: its cache's contents would become guards (a recompilation
+    # once it fills). The answer depends on the device alone, which the graph guards on.
+    return resolve_backend(requested, device)
+
+
+class _CompiledFP8Linear(torch.autograd.Function):
+    """``_FP8Linear``'s arithmetic, with every cast one :func:`._ops.cast_op` call."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inp: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        how: tuple[int, int, torch.dtype, torch.dtype, str],
+    ) -> torch.Tensor:
+        handle, gemm, fwd_dtype, _, backend = how
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        used = gemm_runs_as(backend, inp.shape[1], weight.shape[0])
+        inp_fp8, inp_fp8_t, inp_inv, _ = cast_op(
+            inp.contiguous(), handle, "fwd", fwd_slot(gemm, FwdSlot.INPUT), fwd_dtype,
+            need_wgrad, False, "identity", None, used, TOKEN,
+        )  # fmt: skip
+        weight_fp8, weight_fp8_t, weight_inv, _ = cast_op(
+            weight.detach().contiguous(), handle, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT),
+            fwd_dtype, need_dgrad, False, "identity", None, "", TOKEN,
+        )  # fmt: skip
+        # Fast accumulation in forward only, as the eager path (fp8state.backends.fp8_gemm).
+        out = gemm_op(inp_fp8, inp_inv, weight_fp8.t(), weight_inv, inp.dtype, backend, bias, True)
+        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_inv, weight_inv)
+        ctx.how = how
+        ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inp_fp8_t, weight_fp8_t, inp_inv, weight_inv = ctx.saved_tensors
+        handle, gemm, _, bwd_dtype, backend = ctx.how
+        inp_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        need_bias = bias_dtype is not None and need_bgrad
+        grad_fp8, grad_fp8_t, grad_inv, grad_sums = cast_op(
+            grad_out.contiguous(), handle, "bwd", bwd_slot(gemm, BwdSlot.GRAD_OUTPUT),
+            bwd_dtype, need_wgrad, need_bias, "identity", None, "", TOKEN,
+        )  # fmt: skip
+        grad_inp = grad_weight = grad_bias = None
+        if need_dgrad:  # (M, N) @ (N, K)
+            grad_inp = gemm_op(
+                grad_fp8, grad_inv, weight_fp8_t.t(), weight_inv, inp_dtype, backend, None, False
+            )
+        if need_wgrad:  # (N, M) @ (M, K)
+            grad_weight = gemm_op(
+                grad_fp8_t, grad_inv, inp_fp8_t.t(), inp_inv, weight_dtype, backend, None, False
+            )
+        if need_bias:
+            grad_bias = grad_sums.to(bias_dtype)
+        return grad_inp, grad_weight, grad_bias, None

@@ -1,0 +1,251 @@
+"""fp8state's casts as custom operators: what a compiled graph calls instead of the eager code.
+
+Dynamo turns the Python state it reads into guards and the Python state it writes into side
+effects replayed after the graph. A cast's bookkeeping is exactly such state, and it changes
+every step: whether the record opens a new step, the mutation count, the modules registered
+for the step's scale update, autograd's end-of-backward callback. Traced, it would recompile
+every step or break the graph. So under ``torch.compile`` each cast is one ``torch.library``
+operator: the graph sees a function of tensors, and at runtime the operator runs the eager
+path's own code (open the step, cast and record, register the module) on the module's own
+buffers. The module travels as its handle (:mod:`fp8state._runtime.handles`); the graph's
+guards never see its Python state, and its buffers are never graph inputs that the graph
+would copy (functionalization) and write back later than the scale update reads them.
+
+Inductor calls the operators as they are: fp8state's Triton kernels run inside them, neither
+re-lowered nor compiled again; the FP8 GEMM too (:func:`gemm_op`).
+"""
+
+from typing import cast
+
+import torch
+
+from fp8state import autocast
+from fp8state._runtime import handles
+from fp8state._runtime.context_stack import TAGS, TOKEN
+from fp8state._runtime.friend import set_plain_attr
+from fp8state.backends import fp8_gemm
+from fp8state.errors import ConfigError, RecomputationError
+from fp8state.functional._slot import cast_for
+from fp8state.mixin import FP8StateMixin
+from fp8state.quantize import finite_amax
+from fp8state.slots import Direction
+
+__all__ = ["cast_op", "record_op", "gemm_op", "refuse"]
+
+# The context a module's compiled forward ran under, for its backward casts' registration.
+_CTX_ATTR = "_fp8_compiled_ctx"
+
+
+def _module(handle: int, what: str) -> FP8StateMixin:
+    return cast(FP8StateMixin, handles.module_of(handle, what))
+
+
+def _register_forward(module: FP8StateMixin, what: str) -> autocast.FP8Context:
+    if torch._C._current_graph_task_id() != -1:
+        raise RecomputationError(
+            f"{type(module).__name__} ({what})",
+            "a compiled FP8 forward run again during backward (activation checkpointing "
+            "inside the compiled region)",
+            "compiled forwards run once, outside backward",
+            "Checkpoint outside torch.compile with fp8state.functional.activation_checkpoint, "
+            "or compile the checkpointed blocks without checkpointing them.",
+        )
+    ctx = autocast.active_context()
+    if ctx is None:
+        raise ConfigError(
+            f"{type(module).__name__} ({what})",
+            "a graph compiled under fp8_autocast running outside any",
+            "the compiled call inside the fp8_autocast it was compiled under",
+            "Enter fp8_autocast around the call of the compiled function or module.",
+        )
+    autocast.register_forward(module, ctx)
+    set_plain_attr(module, _CTX_ATTR, ctx)
+    return ctx
+
+
+def _register_backward(module: FP8StateMixin) -> None:
+    ctx = module.__dict__.get(_CTX_ATTR)
+    if ctx is None:  # pragma: no cover - a backward cast follows its module's forward cast
+        raise ConfigError(
+            type(module).__name__,
+            "a compiled FP8 backward with no compiled forward",
+            "the module's compiled forward first",
+            "Run the forward of the compiled module before its backward.",
+        )
+    autocast.register_backward(module, ctx)
+
+
+@torch.library.custom_op(
+    "fp8state::cast_slot",
+    mutates_args=("token",),
+    tags=TAGS,
+    schema=(
+        "(Tensor x, int handle, str direction, int slot, ScalarType fp8_dtype, bool transpose, "
+        "bool column_sums, str op, Tensor? aux, str backend, Tensor(t!) token) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+)
+def cast_op(
+    x: torch.Tensor,
+    handle: int,
+    direction: str,
+    slot: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    column_sums: bool,
+    op: str,
+    aux: torch.Tensor | None,
+    backend: str,
+    token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slot's cast of a compiled graph: the eager path's own code on the module's buffers.
+
+    Arguments as :func:`fp8state.functional._slot.cast_for`'s, with the module as its handle.
+    The direction's step is opened and the module registered for that direction's scale
+    update; ``backend``, where not empty, is noted as the module's ``fp8_last_gemm_backend``.
+    The module's metadata buffers are not arguments: the operator reads and writes them
+    itself, ordered among fp8state's operators by ``token``
+    (:data:`fp8state._runtime.context_stack.TOKEN`), so the graph never copies them.
+    Operators return tensors only: a transpose or column sums not asked for come back empty.
+    """
+    module = _module(handle, f"fp8state::cast_slot (slot {slot})")
+    if direction == "fwd":
+        _register_forward(module, f"slot {slot}")
+    else:
+        _register_backward(module)
+    if backend:
+        set_plain_attr(module, "fp8_last_gemm_backend", backend)
+    side = cast(Direction, direction)  # "fwd" or "bwd", written by _compiled
+    x_fp8, x_fp8_t, snapshot, sums = cast_for(
+        module,
+        side,
+        slot,
+        x,
+        fp8_dtype,
+        transpose,
+        column_sums,
+        op,
+        aux,  # type: ignore[arg-type]
+    )
+    if x_fp8_t is None:
+        x_fp8_t = x_fp8.new_empty(0)
+    if sums is None:
+        sums = x.new_empty(0, dtype=_sums_dtype(x, op))
+    return x_fp8, x_fp8_t, snapshot, sums
+
+
+def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
+    # As cast_slot sums: in the input's dtype for the identity, float32 after an op.
+    return x.dtype if op == "identity" else torch.float32
+
+
+@cast_op.register_fake
+def _cast_op_fake(
+    x: torch.Tensor,
+    handle: int,
+    direction: str,
+    slot: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    column_sums: bool,
+    op: str,
+    aux: torch.Tensor | None,
+    backend: str,
+    token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    x_fp8 = x.new_empty((rows, cols), dtype=fp8_dtype)
+    x_fp8_t = x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)
+    sums = x.new_empty((cols,) if column_sums else (0,), dtype=_sums_dtype(x, op))
+    return x_fp8, x_fp8_t, x.new_empty(1, dtype=torch.float32), sums
+
+
+@torch.library.custom_op(
+    "fp8state::record_amax",
+    mutates_args=("token",),
+    tags=TAGS,
+    schema="(Tensor x, int handle, int slot, Tensor(t!) token) -> ()",
+)
+def record_op(x: torch.Tensor, handle: int, slot: int, token: torch.Tensor) -> None:
+    """A forward amax record of a compiled calibration step (no cast), as the eager one."""
+    module = _module(handle, f"fp8state::record_amax (slot {slot})")
+    _register_forward(module, f"slot {slot}")
+    module.fp8_record_amax("fwd", slot, finite_amax(x))
+
+
+@record_op.register_fake
+def _record_op_fake(x: torch.Tensor, handle: int, slot: int, token: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "fp8state::gemm",
+    mutates_args=(),
+    schema=(
+        "(Tensor a, Tensor a_inv, Tensor b, Tensor b_inv, ScalarType out_dtype, str backend, "
+        "Tensor? bias, bool fast_accum) -> Tensor"
+    ),
+)
+def gemm_op(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """:func:`fp8state.backends.fp8_gemm`, called as it is.
+
+    Inductor's own lowering of ``torch._scaled_mm`` fails on operands that come out of an
+    operator (torch 2.11, ``max-autotune``), and would not be faster: cuBLAS runs either way.
+    """
+    out, _ = fp8_gemm(a, a_inv, b, b_inv, out_dtype, backend, bias=bias, fast_accum=fast_accum)
+    return out
+
+
+@gemm_op.register_fake
+def _gemm_fake(
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+# Errors a compiled graph raises at runtime, by number (Dynamo cannot build them in a trace).
+_REFUSALS: dict[tuple[str, ...], int] = {}
+_ERRORS: list[ConfigError] = []
+
+
+@torch.compiler.assume_constant_result
+def _refusal(key: str, found: str, expected: str, fix: str) -> int:
+    fields = (key, found, expected, fix)
+    number = _REFUSALS.get(fields)
+    if number is None:
+        number = _REFUSALS[fields] = len(_ERRORS)
+        _ERRORS.append(ConfigError(*fields))
+    return number
+
+
+def refuse(key: str, found: str, expected: str, fix: str) -> None:
+    """Raise a :class:`~fp8state.errors.ConfigError` from a graph being compiled, when it runs."""
+    _refuse_op(TOKEN, _refusal(key, found, expected, fix))
+
+
+@torch.library.custom_op(
+    "fp8state::refuse", mutates_args=("token",), schema="(Tensor(t!) token, int error) -> ()"
+)
+def _refuse_op(token: torch.Tensor, error: int) -> None:
+    raise _ERRORS[error]
+
+
+@_refuse_op.register_fake
+def _refuse_fake(token: torch.Tensor, error: int) -> None:
+    return None

@@ -1,0 +1,207 @@
+"""torch.compile of fp8state modules and steps: one graph, no recompilation, eager's numbers.
+
+With ``backend="aot_eager"`` a compiled step runs the same kernels as an eager one, so outputs,
+gradients and the whole state dict (FP8 metadata included) must match an eager twin bit for
+bit, step after step, with ``fp8_autocast`` outside the compiled function or inside it. Dynamo
+must trace each function in one frame (``fullgraph=True``) and compile it once: after the
+first step, any recompilation is an error (``error_on_recompile``). Inductor's steps are
+checked in tests/compile/test_compile_inductor.py, the GPU's in tests/gpu/test_compile_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch import nn
+
+import fp8state
+from fp8state.errors import ConfigError, RecomputationError
+
+MODULES: dict[str, Callable[[], nn.Module]] = {
+    "Linear": lambda: fp8state.Linear(32, 48),
+    "LayerNormLinear": lambda: fp8state.LayerNormLinear(32, 48),
+    "LayerNormMLP": lambda: fp8state.LayerNormMLP(32, 64),
+    "LayerNormMLP-swiglu": lambda: fp8state.LayerNormMLP(32, 64, activation="swiglu"),
+    "Conv1D": lambda: fp8state.Conv1D(48, 32),
+}
+STEPS = 4
+MARGIN_1 = fp8state.DelayedScaling(margin=1)  # recipes are built outside compiled functions
+
+
+def _twins(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    module = make()
+    return module, copy.deepcopy(module)
+
+
+def _inputs(steps: int = STEPS, features: int = 32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 8, features, generator=gen) for _ in range(steps)]
+
+
+def _assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x.grad, y.grad)
+
+
+def _compiled(fn: Callable) -> tuple[Callable, torch._dynamo.testing.CompileCounterWithBackend]:
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    return torch.compile(fn, fullgraph=True, backend=counter), counter
+
+
+def _outside(module: Callable, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        y = module(x)
+    y.pow(2).sum().backward()
+    return y
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_compiled_module_steps_equal_eager_steps(name: str) -> None:
+    module, twin = _twins(MODULES[name])
+    compiled, counter = _compiled(module)
+    for step, x in enumerate(_inputs()):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            y = _outside(compiled, x)
+        assert torch.equal(y, _outside(twin, x))
+        _assert_same(module, twin)
+    assert counter.frame_count == 1
+    assert module.fp8_last_gemm_backend == "emulated"
+    assert module.fp8_meta("bwd").amax_history[: STEPS + 1].count_nonzero() > 0
+
+
+def _inside(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        return model(x).pow(2).sum()
+
+
+def test_fp8_autocast_inside_the_compiled_step() -> None:
+    model, twin = _twins(
+        lambda: nn.Sequential(
+            fp8state.LayerNormLinear(32, 48), fp8state.Linear(48, 32), fp8state.LayerNormMLP(32, 64)
+        )
+    )
+    step, counter = _compiled(_inside)
+    for i, x in enumerate(_inputs()):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss = step(model, x)
+        loss.backward()
+        want = _inside(twin, x)
+        want.backward()
+        assert torch.equal(loss, want)
+        _assert_same(model, twin)
+    assert counter.frame_count == 1
+    assert not fp8state.autocast.is_fp8_enabled()  # the graph left the context it entered
+
+
+def _nested(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        h = model[0](x)
+        with fp8state.fp8_autocast(enabled=False):
+            h = model[1](h)  # high precision, amaxes not recorded
+        with fp8state.fp8_autocast(fp8_recipe=MARGIN_1):
+            h = model[2](h)
+    return h.pow(2).sum()
+
+
+def test_nested_and_sequential_contexts_inside_the_compiled_step() -> None:
+    make = lambda: nn.Sequential(  # noqa: E731
+        fp8state.Linear(32, 32), fp8state.Linear(32, 32), fp8state.LayerNormLinear(32, 32)
+    )
+    model, twin = _twins(make)
+    step, counter = _compiled(_nested)
+    for i, x in enumerate(_inputs()):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            loss = step(model, x)
+        loss.backward()
+        _nested(twin, x).backward()
+        _assert_same(model, twin)
+    assert counter.frame_count == 1
+    assert model[1].fp8_meta("fwd").amax_history.count_nonzero() == 0
+    assert model[2].fp8_recipe.margin == 1
+
+
+def test_micro_batches_and_shared_weights_record_as_eager() -> None:
+    # Two forwards in one fp8_autocast (micro-batches: one step, max-combined amaxes), and a
+    # module called twice in one graph.
+    module, twin = _twins(lambda: fp8state.Linear(32, 32))
+    compiled, counter = _compiled(lambda x: module(module(x)))
+    for i, x in enumerate(_inputs()):
+        for m, fn in ((module, compiled), (twin, lambda x: twin(twin(x)))):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0 and m is module):
+                with fp8state.fp8_autocast():
+                    fn(x).sum().backward()
+                    fn(x * 2).sum().backward()
+        _assert_same(module, twin)
+    assert counter.frame_count == 1
+
+
+def test_calibration_and_fallback_compile_as_eager() -> None:
+    module, twin = _twins(lambda: fp8state.Linear(32, 32))
+    compiled, _ = _compiled(module)
+    for x in _inputs(2):
+        for fn in (compiled, twin):
+            with fp8state.fp8_autocast(enabled=False, calibrating=True):
+                fn(x).sum().backward()
+        _assert_same(module, twin)
+    assert module.fp8_meta("fwd").amax_history[0].count_nonzero() == 2  # input and weight
+    module.fp8_min_gemm_macs = twin.fp8_min_gemm_macs = 10**9  # too small for FP8
+    torch._dynamo.reset()
+    for fn in (torch.compile(module, fullgraph=True, backend="aot_eager"), twin):
+        _outside(fn, _inputs(1)[0])
+    assert module.fp8_last_gemm_backend == twin.fp8_last_gemm_backend == "high_precision"
+    _assert_same(module, twin)
+
+
+def test_a_checkpoint_saved_between_compiled_steps_resumes_exactly() -> None:
+    module, twin = _twins(lambda: fp8state.LayerNormLinear(32, 48))
+    compiled, _ = _compiled(module)
+    xs = _inputs()
+    for x in xs[:2]:
+        _outside(compiled, x)
+        _outside(twin, x)
+    resumed = MODULES["LayerNormLinear"]()
+    resumed.load_state_dict(copy.deepcopy(module.state_dict()))
+    compiled_resumed = torch.compile(resumed, fullgraph=True, backend="aot_eager")
+    for x in xs[2:]:
+        for m in (module, resumed, twin):
+            m.zero_grad()
+        _outside(compiled, x)
+        _outside(compiled_resumed, x)
+        _outside(twin, x)
+    _assert_same(resumed, twin)
+    _assert_same(module, twin)
+
+
+def test_outside_fp8_autocast_the_compiled_module_is_high_precision() -> None:
+    module = fp8state.Linear(32, 32)
+    compiled, _ = _compiled(module)
+    x = _inputs(1)[0]
+    _outside(compiled, x)
+    out = compiled(x)
+    assert torch.equal(out, nn.functional.linear(x, module.weight, module.bias))
+
+
+def test_refusals_raise_fp8state_errors_when_the_graph_runs() -> None:
+    module = fp8state.Linear(32, 32)
+    compiled, _ = _compiled(lambda x: module(x, is_first_microbatch=True))
+    with pytest.raises(ConfigError, match="is_first_microbatch"), fp8state.fp8_autocast():
+        compiled(_inputs(1)[0])
+    # A compiled forward recomputed during backward (a checkpoint around the compiled call)
+    # cannot replay its forward's scales: an error, not other numbers. (Recomputed outside
+    # the fp8_autocast, the graph guards pick the high-precision graph, which torch's
+    # checkpoint refuses itself.)
+    torch._dynamo.reset()
+    inner = torch.compile(module, fullgraph=True, backend="aot_eager")
+    x = _inputs(1)[0].requires_grad_()
+    with fp8state.fp8_autocast():
+        y = torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
+        with pytest.raises(RecomputationError, match="compiled FP8 forward run again"):
+            y.sum().backward()

@@ -1,0 +1,99 @@
+"""Compiled FP8 training steps on a GPU: real FP8 GEMMs and Triton casts inside the graph.
+
+CUDA only (the CPU suite covers the same paths with the emulation, tests/compile/). A model
+of every fp8state module is trained for a few steps compiled (``fullgraph=True``) next to an
+eager twin. With ``aot_eager`` the graph runs the eager kernels, so everything must match bit
+for bit; Inductor fuses the norms around the FP8 GEMMs, so there the outputs and scales must
+agree within bounds, the GEMMs must be ``torch._scaled_mm``'s, nothing may recompile after
+the first step, and every step must record its amaxes and update its scales.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp8state
+from tests._helpers.numerics import sqnr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+STEPS = 5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    kw = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    model = nn.Sequential(
+        fp8state.LayerNormLinear(256, 768, **kw),
+        fp8state.Linear(768, 256, **kw),
+        fp8state.LayerNormMLP(256, 1024, **kw),
+    )
+    for module in model:
+        module.fp8_min_gemm_macs = 0  # FP8 at this size too
+    return model
+
+
+def _train(model: nn.Module, forward, xs: list[torch.Tensor]) -> list:
+    outs = []
+    for x in xs:
+        with fp8state.fp8_autocast():
+            y = forward(x)
+        # A sum: gradients large enough for E5M2 at the first step's scale of 1 (a mean's
+        # underflow to zero, and the layers below then record an amax of 0).
+        y.float().pow(2).sum().backward()
+        outs.append(y.detach().clone())
+    return outs
+
+
+def _inputs() -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return [
+        torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(STEPS)
+    ]
+
+
+def test_aot_eager_graph_matches_eager_bit_for_bit() -> None:
+    compiled, eager = _model(), _model()
+    eager.load_state_dict(compiled.state_dict())
+    eager[2].fp8_fuse_activation = False  # compiled as two GEMMs: so the eager twin too
+    xs = _inputs()
+    out_c = _train(compiled, torch.compile(compiled, fullgraph=True, backend="aot_eager"), xs)
+    out_e = _train(eager, eager, xs)
+    for a, b in zip(out_c, out_e, strict=True):
+        assert torch.equal(a, b)
+    pairs = zip(compiled.state_dict().items(), eager.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), name
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert {m.fp8_last_gemm_backend for m in compiled} == {"scaled_mm"}
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_inductor_steps_agree_with_eager(mode: str | None) -> None:
+    torch._dynamo.reset()
+    compiled, eager = _model(), _model()
+    eager.load_state_dict(compiled.state_dict())
+    eager[2].fp8_fuse_activation = False
+    xs = _inputs()
+    forward = torch.compile(compiled, fullgraph=True, mode=mode)
+    out_c = _train(compiled, forward, xs[:1])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out_c += _train(compiled, forward, xs[1:])
+    out_e = _train(eager, eager, xs)
+    for a, b in zip(out_c, out_e, strict=True):
+        assert sqnr(b, a) > 25
+    for c, e in zip(compiled, eager, strict=True):
+        for direction in ("fwd", "bwd"):
+            got, want = c.fp8_meta(direction), e.fp8_meta(direction)
+            # The history holds every step: a step whose bookkeeping was skipped shows here.
+            assert torch.count_nonzero(got.amax_history[:STEPS].sum(1)) == STEPS
+            torch.testing.assert_close(got.amax_history, want.amax_history, rtol=0.05, atol=0)
+            torch.testing.assert_close(got.scale, want.scale, rtol=0.05, atol=0)
+        assert c.fp8_last_gemm_backend == "scaled_mm"
