@@ -157,8 +157,10 @@ def breakdown(step, iters: int = 300) -> None:
     import fp8state._kernels.cast_launch as cast_launch
     import fp8state._kernels.triton_update as triton_update
     import fp8state._runtime.amax_reduction as amax_reduction
+    import fp8state._runtime.context_stack as context_stack
     import fp8state._runtime.slot_cast as cast_mod
     import fp8state.autocast as autocast_mod
+    import fp8state.functional._slot as slot_mod
     import fp8state.functional.linear as fl
     import fp8state.mixin as mixin_mod
 
@@ -167,8 +169,9 @@ def breakdown(step, iters: int = 300) -> None:
         (fl, "_cast_slot"),
         (fl, "fp8_gemm"),
         (fl, "_cast_weight"),
-        (fl, "cast_slot"),
-        (autocast_mod, "reduce_and_update"),
+        (slot_mod, "cast_slot"),
+        (context_stack, "reduce_and_update"),  # forward: the context's exit
+        (autocast_mod, "reduce_and_update"),  # backward: its end
         (autocast_mod, "register_backward"),
         (autocast_mod, "register_forward"),
         (fl, "resolve_backend"),

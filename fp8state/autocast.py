@@ -22,7 +22,7 @@ behind a lock, because autograd runs backward on its own threads.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +56,9 @@ class FP8Context:
     recipe: DelayedScaling
     group: ProcessGroup | None
     gemm_backend: str
+    #: How a compiled graph refers to it (``_runtime.context_stack.number``); -1 for a
+    #: context built while Dynamo traces, which the trace numbers itself.
+    number: int = field(default=-1, compare=False)
 
 
 _THREAD = context_stack.THREAD
@@ -227,7 +230,9 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
             fp8_group,
             gemm_backend,
         )
-        self._ctx = FP8Context(*self._fields)
+        compiling = torch.compiler.is_compiling()
+        number = -1 if compiling else context_stack.number(FP8Context, *self._fields)
+        self._ctx = FP8Context(*self._fields, number=number)
         self._entered = False
 
     def __enter__(self) -> fp8_autocast:

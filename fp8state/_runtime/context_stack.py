@@ -3,12 +3,14 @@
 Eager, ``fp8_autocast`` pushes its settings on entry and pops them on exit; the outermost exit
 reduces the step's forward amaxes and updates the scales (:func:`push`, :func:`pop`).
 
-A context entered inside a compiled function cannot do so while Dynamo traces: pushing at
-trace time would only be replayed after the graph, when its casts have already run. So there
-its entry and exit are custom operators of the graph (:func:`compiled_enter`,
-:func:`compiled_exit`), which push and pop at runtime, in order: every fp8state operator of a
-graph mutates one token tensor, which chains them in program order (and keeps Inductor from
-merging or dropping any).
+A context entered inside a compiled function pushes nothing when the graph runs: the trace
+sees it (:func:`compiled_enter`), and the graph refers to it by number
+(:func:`context_handle`): each FP8 call's operators carry the number of the context they ran
+under, and the exit of the graph's outermost context is one custom operator
+(:func:`compiled_exit`) that registers the calls traced inside it and updates their scales,
+as an eager exit does. Nothing is left entered on the thread when a graph raises halfway.
+Every fp8state operator of a forward graph mutates one token tensor, which chains them in
+program order (the exit after every cast) and keeps Inductor from merging or dropping any.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fp8state._runtime import recompute
+from fp8state._runtime import handles, recompute
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 
 __all__ = [
@@ -29,6 +31,10 @@ __all__ = [
     "pop",
     "compiled_enter",
     "compiled_exit",
+    "context_handle",
+    "context_of",
+    "number",
+    "note_call",
 ]
 
 #: Mutated by every fp8state operator of a compiled graph: their order is the program's.
@@ -42,6 +48,10 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.stack: list[Any] = []  # FP8Contexts, innermost last
         self.fwd_pending: PendingSteps | None = None
+        # While Dynamo traces, per fp8_autocast entered inside the traced function: its
+        # number, and the (module, context) numbers of the FP8 calls traced inside it.
+        self.handles: list[int] = []
+        self.calls: list[list[tuple[int, int]]] = []
 
 
 THREAD = _ThreadState()
@@ -68,9 +78,8 @@ def pop() -> None:
             reduce_and_update("fwd", pending)
 
 
-@torch.compiler.assume_constant_result
-def _handle_of(make: type, *fields: Any) -> int:
-    # Run at trace time, not traced: the graph keeps the number. Equal settings share one.
+def number(make: type, *fields: Any) -> int:
+    """The number a graph knows the context ``make(*fields)`` by; equal settings share one."""
     handle = _HANDLES.get(fields)
     if handle is None:
         handle = _HANDLES[fields] = len(_CONTEXTS)
@@ -78,46 +87,92 @@ def _handle_of(make: type, *fields: Any) -> int:
     return handle
 
 
-def compiled_enter(ctx: Any, fields: tuple[Any, ...]) -> None:
-    """``fp8_autocast.__enter__`` while Dynamo traces: the graph enters ``ctx`` at runtime.
+@torch.compiler.assume_constant_result
+def _traced_number(make: type, recipe_type: Any, scalars: tuple[Any, ...], *fields: Any) -> int:
+    # While Dynamo traces: run as it is, not traced, and the graph keeps the number. The
+    # recipe comes as its scalars: some Dynamo versions (torch 2.11) cannot pass a frozen
+    # dataclass to such a function.
+    enabled, calibrating, group, backend = fields
+    recipe = recipe_type.from_scalars(dict(scalars))
+    return number(make, enabled, calibrating, recipe, group, backend)
 
-    ``fields``: ``ctx``'s constructor arguments, from which the runtime builds its equal.
+
+def context_of(handle: int) -> Any:
+    """The context a graph refers to by ``handle``."""
+    return _CONTEXTS[handle]
+
+
+def context_handle(ctx: Any) -> int:
+    """While Dynamo traces: the number of the innermost context, ``ctx``, for the graph."""
+    if THREAD.handles:  # entered inside the traced function
+        return THREAD.handles[-1]
+    return int(ctx.number)  # entered before the graph runs: numbered then
+
+
+def compiled_enter(ctx: Any, fields: tuple[Any, ...]) -> None:
+    """``fp8_autocast.__enter__`` while Dynamo traces.
+
+    ``fields``: ``ctx``'s constructor arguments, from which the graph's number for it is made
+    (Dynamo cannot pass on an object it built in the trace).
     """
-    _enter_op(TOKEN, _handle_of(type(ctx), *fields))
     THREAD.stack.append(ctx)  # seen by the trace; balanced by compiled_exit
+    enabled, calibrating, recipe, group, backend = fields
+    scalars = tuple(recipe.to_scalars().items())
+    handle = _traced_number(type(ctx), type(recipe), scalars, enabled, calibrating, group, backend)
+    THREAD.handles.append(handle)
+    THREAD.calls.append([])
+
+
+def note_call(module: int, context: int) -> bool:
+    """While Dynamo traces: an FP8 call of ``module`` under ``context``.
+
+    Returns:
+        Whether the call registers itself for the step's update when it runs (a context
+        entered before the graph); inside a context of the graph, its exit does.
+    """
+    if not THREAD.calls:
+        return True
+    THREAD.calls[-1].append((module, context))
+    return False
 
 
 def compiled_exit() -> None:
-    """``fp8_autocast.__exit__`` while Dynamo traces: the graph exits at runtime."""
+    """``fp8_autocast.__exit__`` while Dynamo traces.
+
+    Contexts nest: the outermost context of the graph updates the scales of every call
+    traced inside it, or leaves them to a context entered before the graph, as eager
+    contexts do.
+    """
     THREAD.stack.pop()
-    _exit_op(TOKEN)
-
-
-@torch.library.custom_op(
-    "fp8state::autocast_enter",
-    mutates_args=("token",),
-    tags=TAGS,
-    schema="(Tensor(t!) token, int context) -> ()",
-)
-def _enter_op(token: torch.Tensor, context: int) -> None:
-    push(_CONTEXTS[context])
-
-
-@_enter_op.register_fake
-def _enter_fake(token: torch.Tensor, context: int) -> None:
-    return None
+    THREAD.handles.pop()
+    calls = THREAD.calls.pop()
+    if THREAD.calls:
+        THREAD.calls[-1].extend(calls)
+    elif calls:
+        around = bool(THREAD.stack)
+        _exit_op(TOKEN, [c[0] for c in calls], [c[1] for c in calls], around)
 
 
 @torch.library.custom_op(
     "fp8state::autocast_exit",
     mutates_args=("token",),
     tags=TAGS,
-    schema="(Tensor(t!) token) -> ()",
+    schema="(Tensor(t!) token, int[] modules, int[] contexts, bool around) -> ()",
 )
-def _exit_op(token: torch.Tensor) -> None:
-    pop()
+def _exit_op(token: torch.Tensor, modules: list[int], contexts: list[int], around: bool) -> None:
+    if around:  # an fp8_autocast entered before the graph updates them at its exit
+        pending = THREAD.fwd_pending
+        if pending is None:  # a recomputation's context: nothing to update
+            return
+    else:
+        pending = PendingSteps()
+    for module, context in zip(modules, contexts, strict=True):
+        ctx = _CONTEXTS[context]
+        pending.add(handles.module_of(module, "fp8state::autocast_exit"), ctx.recipe, ctx.group)
+    if not around:
+        reduce_and_update("fwd", pending)
 
 
 @_exit_op.register_fake
-def _exit_fake(token: torch.Tensor) -> None:
+def _exit_fake(token: torch.Tensor, modules: list[int], contexts: list[int], around: bool) -> None:
     return None

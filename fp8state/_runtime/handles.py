@@ -35,8 +35,9 @@ def module_of(handle: int, what: str) -> FP8Friend:
         raise ConfigError(
             what,
             f"no live FP8 module with handle {handle}",
-            "a module set up by FP8StateMixin.init_fp8_meta (or unpickled, or deep-copied)",
-            "Build FP8 modules through their constructors; a module copied by other means "
-            "(copy.copy, a __dict__ copy) must call fp8state._runtime.handles.register.",
+            "the module a compiled graph was traced with, alive until its backward has run",
+            "Keep a reference to every module you compile until its backward has run; build "
+            "FP8 modules through their constructors (unpickling and copy.deepcopy register "
+            "them too; a module made by copying __dict__ must call handles.register).",
         )
     return module

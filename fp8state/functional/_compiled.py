@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from fp8state import autocast
+from fp8state._runtime import context_stack
 from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
+from fp8state.errors import ConfigError
 from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
@@ -49,26 +51,35 @@ def linear(
             "Drop is_first_microbatch from compiled calls, or run them eagerly.",
         )
     handle = id(module)
+    context = context_stack.context_handle(ctx)
     inp_2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
     if not ctx.enabled:  # calibrating: record, compute in high precision
-        record_op(inp_2d, handle, fwd_slot(gemm, FwdSlot.INPUT), TOKEN)
-        record_op(weight, handle, fwd_slot(gemm, FwdSlot.WEIGHT), TOKEN)
+        register = context_stack.note_call(handle, context)
+        for x, role in ((inp_2d, FwdSlot.INPUT), (weight, FwdSlot.WEIGHT)):
+            record_op(x, handle, context, register, fwd_slot(gemm, role), TOKEN)
         return F.linear(inp, weight, bias)
-    backend = _resolved(ctx.gemm_backend, inp.device)
+    backend, error = _resolved(ctx.gemm_backend, inp.device)
+    if error:  # raised when the graph runs
+        refuse(*error)
     if inp.numel() * weight.shape[0] < min_gemm_macs(backend, module.fp8_min_gemm_macs):
         module.fp8_last_gemm_backend = "high_precision"
         return F.linear(inp, weight, bias)
+    register = context_stack.note_call(handle, context)
     fp8_format = ctx.recipe.fp8_format
-    how = (handle, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
-    out = _CompiledFP8Linear.apply(inp_2d, weight, bias, how)
+    how = (handle, context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"))
+    out = _CompiledFP8Linear.apply(inp_2d, weight, bias, (*how, backend))
     return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
 
 
 @torch.compiler.assume_constant_result
-def _resolved(requested: str, device: torch.device) -> str:
+def _resolved(requested: str, device: torch.device) -> tuple[str, tuple[str, ...]]:
     # Run as it is, not traced: its cache's contents would become guards (a recompilation
     # once it fills). The answer depends on the device alone, which the graph guards on.
-    return resolve_backend(requested, device)
+    # A refusal comes back as the error's fields, raised by the graph when it runs.
+    try:
+        return resolve_backend(requested, device), ()
+    except ConfigError as err:
+        return "emulated", (err.key, err.found, err.expected, err.fix)
 
 
 class _CompiledFP8Linear(torch.autograd.Function):
@@ -80,18 +91,19 @@ class _CompiledFP8Linear(torch.autograd.Function):
         inp: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        how: tuple[int, int, torch.dtype, torch.dtype, str],
+        how: tuple[int, int, bool, int, torch.dtype, torch.dtype, str],
     ) -> torch.Tensor:
-        handle, gemm, fwd_dtype, _, backend = how
+        handle, context, register, gemm, fwd_dtype, _, backend = how
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         used = gemm_runs_as(backend, inp.shape[1], weight.shape[0])
+        meta = (handle, context, register, "fwd")
         inp_fp8, inp_fp8_t, inp_inv, _ = cast_op(
-            inp.contiguous(), handle, "fwd", fwd_slot(gemm, FwdSlot.INPUT), fwd_dtype,
-            need_wgrad, False, "identity", None, used, TOKEN,
+            inp.contiguous(), *meta, fwd_slot(gemm, FwdSlot.INPUT), fwd_dtype, need_wgrad,
+            False, "identity", None, used, TOKEN,
         )  # fmt: skip
         weight_fp8, weight_fp8_t, weight_inv, _ = cast_op(
-            weight.detach().contiguous(), handle, "fwd", fwd_slot(gemm, FwdSlot.WEIGHT),
-            fwd_dtype, need_dgrad, False, "identity", None, "", TOKEN,
+            weight.detach().contiguous(), *meta, fwd_slot(gemm, FwdSlot.WEIGHT), fwd_dtype,
+            need_dgrad, False, "identity", None, "", TOKEN,
         )  # fmt: skip
         # Fast accumulation in forward only, as the eager path (fp8state.backends.fp8_gemm).
         out = gemm_op(inp_fp8, inp_inv, weight_fp8.t(), weight_inv, inp.dtype, backend, bias, True)
@@ -103,13 +115,17 @@ class _CompiledFP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inp_fp8_t, weight_fp8_t, inp_inv, weight_inv = ctx.saved_tensors
-        handle, gemm, _, bwd_dtype, backend = ctx.how
+        handle, context, _, gemm, _, bwd_dtype, backend = ctx.how
         inp_dtype, weight_dtype, bias_dtype = ctx.dtypes
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         need_bias = bias_dtype is not None and need_bgrad
+        # A token of the backward's own: the forward's global one, saved for backward, would
+        # be modified by every later compiled forward before this backward runs.
+        token = grad_out.new_empty(0)
         grad_fp8, grad_fp8_t, grad_inv, grad_sums = cast_op(
-            grad_out.contiguous(), handle, "bwd", bwd_slot(gemm, BwdSlot.GRAD_OUTPUT),
-            bwd_dtype, need_wgrad, need_bias, "identity", None, "", TOKEN,
+            grad_out.contiguous(), handle, context, False, "bwd",
+            bwd_slot(gemm, BwdSlot.GRAD_OUTPUT), bwd_dtype, need_wgrad, need_bias, "identity",
+            None, "", token,
         )  # fmt: skip
         grad_inp = grad_weight = grad_bias = None
         if need_dgrad:  # (M, N) @ (N, K)

@@ -21,7 +21,7 @@ import torch
 
 from fp8state import autocast
 from fp8state._runtime import handles
-from fp8state._runtime.context_stack import TAGS, TOKEN
+from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.friend import set_plain_attr
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError, RecomputationError
@@ -32,47 +32,31 @@ from fp8state.slots import Direction
 
 __all__ = ["cast_op", "record_op", "gemm_op", "refuse"]
 
-# The context a module's compiled forward ran under, for its backward casts' registration.
-_CTX_ATTR = "_fp8_compiled_ctx"
-
 
 def _module(handle: int, what: str) -> FP8StateMixin:
     return cast(FP8StateMixin, handles.module_of(handle, what))
 
 
-def _register_forward(module: FP8StateMixin, what: str) -> autocast.FP8Context:
+def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> None:
+    """A forward record's bookkeeping: not in a recomputation; registered where asked."""
     if torch._C._current_graph_task_id() != -1:
         raise RecomputationError(
             f"{type(module).__name__} ({what})",
             "a compiled FP8 forward run again during backward (activation checkpointing "
-            "inside the compiled region)",
+            "around or inside the compiled call)",
             "compiled forwards run once, outside backward",
-            "Checkpoint outside torch.compile with fp8state.functional.activation_checkpoint, "
-            "or compile the checkpointed blocks without checkpointing them.",
+            "Checkpoint eagerly with fp8state.functional.activation_checkpoint, or compile "
+            "the blocks without checkpointing them.",
         )
-    ctx = autocast.active_context()
-    if ctx is None:
-        raise ConfigError(
-            f"{type(module).__name__} ({what})",
-            "a graph compiled under fp8_autocast running outside any",
-            "the compiled call inside the fp8_autocast it was compiled under",
-            "Enter fp8_autocast around the call of the compiled function or module.",
-        )
-    autocast.register_forward(module, ctx)
-    set_plain_attr(module, _CTX_ATTR, ctx)
-    return ctx
-
-
-def _register_backward(module: FP8StateMixin) -> None:
-    ctx = module.__dict__.get(_CTX_ATTR)
-    if ctx is None:  # pragma: no cover - a backward cast follows its module's forward cast
-        raise ConfigError(
-            type(module).__name__,
-            "a compiled FP8 backward with no compiled forward",
-            "the module's compiled forward first",
-            "Run the forward of the compiled module before its backward.",
-        )
-    autocast.register_backward(module, ctx)
+    if register:  # under an fp8_autocast entered before the graph ran
+        if autocast.active_context() is None:  # pragma: no cover - the graph's guards
+            raise ConfigError(
+                f"{type(module).__name__} ({what})",
+                "a graph compiled under fp8_autocast running outside any",
+                "the compiled call inside the fp8_autocast it was compiled under",
+                "Enter fp8_autocast around the call of the compiled function or module.",
+            )
+        autocast.register_forward(module, context_of(context))
 
 
 @torch.library.custom_op(
@@ -80,14 +64,16 @@ def _register_backward(module: FP8StateMixin) -> None:
     mutates_args=("token",),
     tags=TAGS,
     schema=(
-        "(Tensor x, int handle, str direction, int slot, ScalarType fp8_dtype, bool transpose, "
-        "bool column_sums, str op, Tensor? aux, str backend, Tensor(t!) token) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
+        "(Tensor x, int handle, int context, bool register, str direction, int slot, "
+        "ScalarType fp8_dtype, bool transpose, bool column_sums, str op, Tensor? aux, "
+        "str backend, Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
 )
 def cast_op(
     x: torch.Tensor,
     handle: int,
+    context: int,
+    register: bool,
     direction: str,
     slot: int,
     fp8_dtype: torch.dtype,
@@ -102,7 +88,9 @@ def cast_op(
 
     Arguments as :func:`fp8state.functional._slot.cast_for`'s, with the module as its handle.
     The direction's step is opened and the module registered for that direction's scale
-    update; ``backend``, where not empty, is noted as the module's ``fp8_last_gemm_backend``.
+    update under the ``fp8_autocast`` numbered ``context`` (forward: where ``register``,
+    else the graph's own context exit does it); ``backend``, where not empty, is noted as the
+    module's ``fp8_last_gemm_backend``.
     The module's metadata buffers are not arguments: the operator reads and writes them
     itself, ordered among fp8state's operators by ``token``
     (:data:`fp8state._runtime.context_stack.TOKEN`), so the graph never copies them.
@@ -110,9 +98,9 @@ def cast_op(
     """
     module = _module(handle, f"fp8state::cast_slot (slot {slot})")
     if direction == "fwd":
-        _register_forward(module, f"slot {slot}")
+        _forward(module, f"slot {slot}", context, register)
     else:
-        _register_backward(module)
+        autocast.register_backward(module, context_of(context))
     if backend:
         set_plain_attr(module, "fp8_last_gemm_backend", backend)
     side = cast(Direction, direction)  # "fwd" or "bwd", written by _compiled
@@ -143,6 +131,8 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
 def _cast_op_fake(
     x: torch.Tensor,
     handle: int,
+    context: int,
+    register: bool,
     direction: str,
     slot: int,
     fp8_dtype: torch.dtype,
@@ -164,17 +154,21 @@ def _cast_op_fake(
     "fp8state::record_amax",
     mutates_args=("token",),
     tags=TAGS,
-    schema="(Tensor x, int handle, int slot, Tensor(t!) token) -> ()",
+    schema=("(Tensor x, int handle, int context, bool register, int slot, Tensor(t!) token) -> ()"),
 )
-def record_op(x: torch.Tensor, handle: int, slot: int, token: torch.Tensor) -> None:
+def record_op(
+    x: torch.Tensor, handle: int, context: int, register: bool, slot: int, token: torch.Tensor
+) -> None:
     """A forward amax record of a compiled calibration step (no cast), as the eager one."""
     module = _module(handle, f"fp8state::record_amax (slot {slot})")
-    _register_forward(module, f"slot {slot}")
+    _forward(module, f"slot {slot}", context, register)
     module.fp8_record_amax("fwd", slot, finite_amax(x))
 
 
 @record_op.register_fake
-def _record_op_fake(x: torch.Tensor, handle: int, slot: int, token: torch.Tensor) -> None:
+def _record_op_fake(
+    x: torch.Tensor, handle: int, context: int, register: bool, slot: int, token: torch.Tensor
+) -> None:
     return None
 
 

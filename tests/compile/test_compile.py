@@ -205,3 +205,68 @@ def test_refusals_raise_fp8state_errors_when_the_graph_runs() -> None:
         y = torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)
         with pytest.raises(RecomputationError, match="compiled FP8 forward run again"):
             y.sum().backward()
+
+
+def test_compiled_forwards_accumulated_into_one_backward() -> None:
+    # Several compiled forwards (and an evaluation forward) before one backward: eager's steps.
+    module, twin = _twins(lambda: fp8state.LayerNormLinear(32, 32))
+    compiled, counter = _compiled(module)
+    for i, x in enumerate(_inputs()):
+        for fn in (compiled, twin):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0 and fn is compiled):
+                with fp8state.fp8_autocast():
+                    loss = fn(x).sum() + fn(2 * x).sum()
+                with torch.no_grad(), fp8state.fp8_autocast():
+                    fn(x)
+            loss.backward()
+        _assert_same(module, twin)
+
+
+SHARP = fp8state.DelayedScaling(margin=1)
+
+
+def _two_recipes(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        y = module(x)
+        with fp8state.fp8_autocast(fp8_recipe=SHARP):
+            y = module(y)
+    return y.pow(2).sum()
+
+
+def test_each_call_backward_updates_under_its_own_forward_context() -> None:
+    module, twin = _twins(lambda: fp8state.Linear(32, 32))
+    step, _ = _compiled(_two_recipes)
+    for x in _inputs(3):
+        step(module, x).backward()
+        _two_recipes(twin, x).backward()
+        _assert_same(module, twin)
+    assert module.fp8_recipe == twin.fp8_recipe
+
+
+def test_a_graph_that_raises_leaves_no_context_entered() -> None:
+    module = fp8state.Linear(32, 32)
+
+    def bad_step(x: torch.Tensor) -> torch.Tensor:
+        with fp8state.fp8_autocast():
+            return module(module(x), is_first_microbatch=True)
+
+    compiled, _ = _compiled(bad_step)
+    with pytest.raises(ConfigError, match="is_first_microbatch"):
+        compiled(_inputs(1)[0])
+    assert not fp8state.autocast.is_fp8_enabled()
+    before = module.fp8_meta("fwd").scale.clone()
+    _outside(module, _inputs(1)[0])  # later steps update their scales again
+    assert not torch.equal(module.fp8_meta("fwd").scale, before)
+
+
+def test_compiled_modules_deep_copy_and_refuse_an_impossible_backend() -> None:
+    module = fp8state.Linear(32, 32)
+    compiled, _ = _compiled(module)
+    _outside(compiled, _inputs(1)[0])
+    copied = copy.deepcopy(module)
+    assert torch.equal(copied.get_extra_state(), module.get_extra_state())
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ConfigError, match="scaled_mm"):
+        with fp8state.fp8_autocast(gemm_backend="scaled_mm"):
+            compiled(_inputs(1)[0])

@@ -97,3 +97,28 @@ def test_inductor_steps_agree_with_eager(mode: str | None) -> None:
             torch.testing.assert_close(got.amax_history, want.amax_history, rtol=0.05, atol=0)
             torch.testing.assert_close(got.scale, want.scale, rtol=0.05, atol=0)
         assert c.fp8_last_gemm_backend == "scaled_mm"
+
+
+def _loss_inside(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        return model(x).float().pow(2).sum()
+
+
+def test_fp8_autocast_inside_the_compiled_step() -> None:
+    torch._dynamo.reset()
+    compiled, eager = _model(), _model()
+    eager.load_state_dict(compiled.state_dict())
+    eager[2].fp8_fuse_activation = False
+    step = torch.compile(_loss_inside, fullgraph=True)
+    for i, x in enumerate(_inputs()):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = step(compiled, x)
+        got.backward()
+        want = _loss_inside(eager, x)
+        want.backward()
+        assert sqnr(want, got) > 25
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(
+            c.fp8_meta("fwd").scale, e.fp8_meta("fwd").scale, rtol=0.05, atol=0
+        )
+        assert torch.count_nonzero(c.fp8_meta("fwd").amax_history[:STEPS].sum(1)) == STEPS
