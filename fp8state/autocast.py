@@ -244,7 +244,7 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 "Create a new fp8_autocast(...) for each `with` block.",
             )
         self._entered = True
-        if torch.compiler.is_compiling():  # the graph enters at runtime, in order
+        if torch.compiler.is_compiling():  # traced: graphs know contexts by number
             context_stack.compiled_enter(self._ctx, self._fields)
         else:
             context_stack.push(self._ctx)

@@ -37,7 +37,8 @@ __all__ = [
     "note_call",
 ]
 
-#: Mutated by every fp8state operator of a compiled graph: their order is the program's.
+#: Mutated by every fp8state operator of a compiled forward graph: their order is the
+#: program's (a backward graph's casts use a token of their own).
 TOKEN = torch.zeros(())
 #: Graphs that CUDA graphs replay would skip the operators' Python: Inductor keeps operators
 #: with this tag out of them (where the tag exists).
@@ -55,9 +56,10 @@ class _ThreadState(threading.local):
 
 
 THREAD = _ThreadState()
-# Contexts entered in compiled graphs, by handle (a graph passes numbers, not objects).
+# Every context a graph may refer to, by number (a graph passes numbers, not objects).
 _CONTEXTS: list[Any] = []
 _HANDLES: dict[Any, int] = {}
+_NUMBERING = threading.Lock()  # threads number contexts too
 
 
 def push(ctx: Any) -> None:
@@ -82,8 +84,11 @@ def number(make: type, *fields: Any) -> int:
     """The number a graph knows the context ``make(*fields)`` by; equal settings share one."""
     handle = _HANDLES.get(fields)
     if handle is None:
-        handle = _HANDLES[fields] = len(_CONTEXTS)
-        _CONTEXTS.append(make(*fields))
+        with _NUMBERING:
+            handle = _HANDLES.get(fields)
+            if handle is None:
+                _CONTEXTS.append(make(*fields))
+                handle = _HANDLES[fields] = len(_CONTEXTS) - 1
     return handle
 
 
