@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fp8state._runtime import handles, recompute
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
@@ -95,10 +96,11 @@ def number(make: type, *fields: Any) -> int:
 @torch.compiler.assume_constant_result
 def _traced_number(make: type, recipe_type: Any, scalars: tuple[Any, ...], *fields: Any) -> int:
     # While Dynamo traces: run as it is, not traced, and the graph keeps the number. The
-    # recipe comes as its scalars: some Dynamo versions (torch 2.11) cannot pass a frozen
-    # dataclass to such a function.
-    enabled, calibrating, group, backend = fields
+    # recipe comes as its scalars (torch 2.11's Dynamo cannot pass a frozen dataclass to such
+    # a function) and the process group as its name (Dynamo passes a stand-in of the object).
+    enabled, calibrating, group_name, backend = fields
     recipe = recipe_type.from_scalars(dict(scalars))
+    group = None if group_name is None else _resolve_process_group(group_name)
     return number(make, enabled, calibrating, recipe, group, backend)
 
 
@@ -123,7 +125,8 @@ def compiled_enter(ctx: Any, fields: tuple[Any, ...]) -> None:
     THREAD.stack.append(ctx)  # seen by the trace; balanced by compiled_exit
     enabled, calibrating, recipe, group, backend = fields
     scalars = tuple(recipe.to_scalars().items())
-    handle = _traced_number(type(ctx), type(recipe), scalars, enabled, calibrating, group, backend)
+    name = None if group is None else group.group_name
+    handle = _traced_number(type(ctx), type(recipe), scalars, enabled, calibrating, name, backend)
     THREAD.handles.append(handle)
     THREAD.calls.append([])
 

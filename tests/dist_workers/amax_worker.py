@@ -6,6 +6,7 @@ number of all_reduce calls fp8state made, and the local amaxes it fed in.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def _train(rank: int, mode: str, steps: int) -> dict:
             (y * (rank + 1)).sum().backward()  # grad_output of the head is rank + 1
         dist.all_reduce = real_all_reduce
         result["input_amax"] = input_amax
+    elif mode == "compiled":
+        result.update(_compiled(rank, steps, calls, counting_all_reduce, real_all_reduce))
     else:  # "ddp": ordinary data-parallel training, different data per rank
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
@@ -77,3 +80,32 @@ def _train(rank: int, mode: str, steps: int) -> dict:
     result["calls"] = calls["all_reduce"]
     result["payloads"] = fp8_payloads(model)
     return result
+
+
+def _compiled(rank: int, steps: int, calls: dict, counting, real) -> dict:
+    """Compiled steps (``aot_eager``) next to eager twins: around and inside the graph."""
+    outside, inside = _model(), _model()
+    twins = [copy.deepcopy(outside), copy.deepcopy(inside)]
+    forward = torch.compile(outside, fullgraph=True, backend="aot_eager")
+
+    def loss_inside(x: torch.Tensor) -> torch.Tensor:
+        with fp8state.fp8_autocast(fp8_group=dist.group.WORLD):
+            return inside(x).sum()
+
+    step_inside = torch.compile(loss_inside, fullgraph=True, backend="aot_eager")
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(8, H, generator=gen) * (rank + 1)
+        dist.all_reduce = counting
+        with fp8state.fp8_autocast():
+            forward(x).sum().backward()
+        step_inside(x).backward()
+        dist.all_reduce = real
+        for twin in twins:
+            with fp8state.fp8_autocast():
+                twin(x).sum().backward()
+    return {
+        "outside": fp8_payloads(outside),
+        "inside": fp8_payloads(inside),
+        "twins": [fp8_payloads(twin) for twin in twins],
+    }

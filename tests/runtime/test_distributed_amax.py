@@ -54,3 +54,17 @@ def test_ddp_training_keeps_metadata_identical_on_every_rank(tmp_path) -> None:
     for r in results:
         assert r["calls"] == 0  # counting was off in this mode
         assert r["losses"][-1] < r["losses"][0]
+
+
+def test_compiled_steps_reduce_as_eager_steps(tmp_path) -> None:
+    # torch.compile (aot_eager) with fp8_autocast around the compiled model and inside the
+    # compiled step, over two gloo ranks: one collective per direction per step, and the
+    # metadata of an eager twin, bit for bit, identical on both ranks.
+    steps = 3
+    results = _spawn(tmp_path, 2, "compiled", steps)
+    for r in results:
+        assert r["calls"] == 2 * 2 * steps  # two compiled models, forward and backward
+        assert_same(r["outside"], r["twins"][0])
+        assert_same(r["inside"], r["twins"][1])
+    for key in ("outside", "inside"):
+        assert_same(results[1][key], results[0][key])
