@@ -19,7 +19,6 @@ import threading
 from typing import Any
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from fp8state._runtime import handles, recompute
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
@@ -100,7 +99,12 @@ def _traced_number(make: type, recipe_type: Any, scalars: tuple[Any, ...], *fiel
     # a function) and the process group as its name (Dynamo passes a stand-in of the object).
     enabled, calibrating, group_name, backend = fields
     recipe = recipe_type.from_scalars(dict(scalars))
-    group = None if group_name is None else _resolve_process_group(group_name)
+    if group_name is None:
+        group = None
+    else:  # a group exists, so torch.distributed does (not every build has it)
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group_name)
     return number(make, enabled, calibrating, recipe, group, backend)
 
 
