@@ -22,7 +22,7 @@ behind a lock, because autograd runs backward on its own threads.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,9 +56,6 @@ class FP8Context:
     recipe: DelayedScaling
     group: ProcessGroup | None
     gemm_backend: str
-    #: How a compiled graph refers to it (``_runtime.context_stack.number``); -1 for a
-    #: context built while Dynamo traces, which the trace numbers itself.
-    number: int = field(default=-1, compare=False)
 
 
 _THREAD = context_stack.THREAD
@@ -150,8 +147,15 @@ def is_fp8_enabled() -> bool:
 def register_forward(module: FP8StateMixin, ctx: FP8Context) -> None:
     """Note that ``module`` recorded forward amaxes in the current outermost context."""
     pending = _THREAD.fwd_pending
-    if pending is None:  # pragma: no cover - active_context() implies an open context
-        raise RuntimeError("register_forward outside fp8_autocast")
+    if pending is None:  # only inside a compiled fp8_autocast that Dynamo broke up
+        raise ConfigError(
+            f"{type(module).__name__}",
+            "an FP8 call run eagerly inside an fp8_autocast entered in a compiled function "
+            "(a graph break inside the context)",
+            "the compiled function traced whole, or the fp8_autocast entered around it",
+            "Compile with fullgraph=True to find the break, or enter fp8_autocast outside the "
+            "compiled function.",
+        )
     pending.add(module, ctx.recipe, ctx.group)
 
 
@@ -222,17 +226,13 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 f"one of {BACKENDS}",
                 "Pass gemm_backend='auto'.",
             )
-        # The constructor's arguments: a compiled graph builds its own equal context from them.
-        self._fields = (
-            bool(enabled),
-            bool(calibrating),
-            fp8_recipe or _DEFAULT_RECIPE,
-            fp8_group,
-            gemm_backend,
+        self._ctx = FP8Context(
+            enabled=bool(enabled),
+            calibrating=bool(calibrating),
+            recipe=fp8_recipe or _DEFAULT_RECIPE,
+            group=fp8_group,
+            gemm_backend=gemm_backend,
         )
-        compiling = torch.compiler.is_compiling()
-        number = -1 if compiling else context_stack.number(FP8Context, *self._fields)
-        self._ctx = FP8Context(*self._fields, number=number)
         self._entered = False
 
     def __enter__(self) -> fp8_autocast:
@@ -245,7 +245,7 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
             )
         self._entered = True
         if torch.compiler.is_compiling():  # traced: graphs know contexts by number
-            context_stack.compiled_enter(self._ctx, self._fields)
+            context_stack.compiled_enter(self._ctx)
         else:
             context_stack.push(self._ctx)
         return self

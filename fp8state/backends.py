@@ -167,5 +167,8 @@ def fp8_gemm(
         return out, "scaled_mm"
     a_hp = dequantize(a_fp8, a_scale_inv, torch.float32)
     b_hp = dequantize(b_fp8, b_scale_inv, torch.float32)
-    out = (a_hp @ b_hp).to(out_dtype)
+    # In float32 whatever torch.autocast is in force: the emulation's numbers are the
+    # product of the dequantized operands, not of their bf16 or fp16 roundings.
+    with torch.autocast(a_hp.device.type, enabled=False):
+        out = (a_hp @ b_hp).to(out_dtype)
     return (out if bias is None else out + bias), "emulated"

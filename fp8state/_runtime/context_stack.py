@@ -33,7 +33,6 @@ __all__ = [
     "compiled_exit",
     "context_handle",
     "context_of",
-    "number",
     "note_call",
 ]
 
@@ -52,7 +51,7 @@ class _ThreadState(threading.local):
         # While Dynamo traces, per fp8_autocast entered inside the traced function: its
         # number, and the (module, context) numbers of the FP8 calls traced inside it.
         self.handles: list[int] = []
-        self.calls: list[list[tuple[int, int]]] = []
+        self.calls: list[list[tuple[torch.Tensor, int]]] = []
 
 
 THREAD = _ThreadState()
@@ -80,8 +79,8 @@ def pop() -> None:
             reduce_and_update("fwd", pending)
 
 
-def number(make: type, *fields: Any) -> int:
-    """The number a graph knows the context ``make(*fields)`` by; equal settings share one."""
+def _number(make: type, *fields: Any) -> int:
+    """The number graphs know the context ``make(*fields)`` by; equal settings share one."""
     handle = _HANDLES.get(fields)
     if handle is None:
         with _NUMBERING:
@@ -94,9 +93,9 @@ def number(make: type, *fields: Any) -> int:
 
 @torch.compiler.assume_constant_result
 def _traced_number(make: type, recipe_type: Any, scalars: tuple[Any, ...], *fields: Any) -> int:
-    # While Dynamo traces: run as it is, not traced, and the graph keeps the number. The
-    # recipe comes as its scalars (torch 2.11's Dynamo cannot pass a frozen dataclass to such
-    # a function) and the process group as its name (Dynamo passes a stand-in of the object).
+    # Run as it is while Dynamo traces, not traced: the graph keeps the number. The recipe
+    # comes as its scalars (torch 2.11's Dynamo cannot pass a frozen dataclass to such a
+    # function) and the process group as its name (Dynamo passes a stand-in of the object).
     enabled, calibrating, group_name, backend = fields
     recipe = recipe_type.from_scalars(dict(scalars))
     if group_name is None:
@@ -105,7 +104,19 @@ def _traced_number(make: type, recipe_type: Any, scalars: tuple[Any, ...], *fiel
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(group_name)
-    return number(make, enabled, calibrating, recipe, group, backend)
+    return _number(make, enabled, calibrating, recipe, group, backend)
+
+
+def _numbered(ctx: Any) -> int:
+    # While Dynamo traces. Fields, not the object: a guard on the object would fail with
+    # every new fp8_autocast (a recompilation per step), and Dynamo cannot pass on one it
+    # built in the trace.
+    recipe, group = ctx.recipe, ctx.group
+    scalars = tuple(recipe.to_scalars().items())
+    name = None if group is None else group.group_name
+    return _traced_number(
+        type(ctx), type(recipe), scalars, ctx.enabled, ctx.calibrating, name, ctx.gemm_backend
+    )
 
 
 def context_of(handle: int) -> Any:
@@ -115,27 +126,19 @@ def context_of(handle: int) -> Any:
 
 def context_handle(ctx: Any) -> int:
     """While Dynamo traces: the number of the innermost context, ``ctx``, for the graph."""
-    if THREAD.handles:  # entered inside the traced function
+    if THREAD.handles:  # entered inside the traced function: numbered at its entry
         return THREAD.handles[-1]
-    return int(ctx.number)  # entered before the graph runs: numbered then
+    return _numbered(ctx)
 
 
-def compiled_enter(ctx: Any, fields: tuple[Any, ...]) -> None:
-    """``fp8_autocast.__enter__`` while Dynamo traces.
-
-    ``fields``: ``ctx``'s constructor arguments, from which the graph's number for it is made
-    (Dynamo cannot pass on an object it built in the trace).
-    """
+def compiled_enter(ctx: Any) -> None:
+    """``fp8_autocast.__enter__`` while Dynamo traces."""
     THREAD.stack.append(ctx)  # seen by the trace; balanced by compiled_exit
-    enabled, calibrating, recipe, group, backend = fields
-    scalars = tuple(recipe.to_scalars().items())
-    name = None if group is None else group.group_name
-    handle = _traced_number(type(ctx), type(recipe), scalars, enabled, calibrating, name, backend)
-    THREAD.handles.append(handle)
+    THREAD.handles.append(_numbered(ctx))
     THREAD.calls.append([])
 
 
-def note_call(module: int, context: int) -> bool:
+def note_call(module: torch.Tensor, context: int) -> bool:
     """While Dynamo traces: an FP8 call of ``module`` under ``context``.
 
     Returns:
@@ -169,9 +172,11 @@ def compiled_exit() -> None:
     "fp8state::autocast_exit",
     mutates_args=("token",),
     tags=TAGS,
-    schema="(Tensor(t!) token, int[] modules, int[] contexts, bool around) -> ()",
+    schema="(Tensor(t!) token, Tensor[] modules, int[] contexts, bool around) -> ()",
 )
-def _exit_op(token: torch.Tensor, modules: list[int], contexts: list[int], around: bool) -> None:
+def _exit_op(
+    token: torch.Tensor, modules: list[torch.Tensor], contexts: list[int], around: bool
+) -> None:
     if around:  # an fp8_autocast entered before the graph updates them at its exit
         pending = THREAD.fwd_pending
         if pending is None:  # a recomputation's context: nothing to update
@@ -186,5 +191,7 @@ def _exit_op(token: torch.Tensor, modules: list[int], contexts: list[int], aroun
 
 
 @_exit_op.register_fake
-def _exit_fake(token: torch.Tensor, modules: list[int], contexts: list[int], around: bool) -> None:
+def _exit_fake(
+    token: torch.Tensor, modules: list[torch.Tensor], contexts: list[int], around: bool
+) -> None:
     return None

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8state import autocast
-from fp8state._runtime import context_stack
+from fp8state._runtime import context_stack, handles
 from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
 from fp8state.errors import ConfigError
-from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse
+from fp8state.functional._ops import cast_op, gemm_op, note_backend_op, record_op, refuse
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
@@ -51,7 +51,7 @@ def linear(
             "None under torch.compile (FP8 weights are cast every call)",
             "Drop is_first_microbatch from compiled calls, or run them eagerly.",
         )
-    handle = id(module)
+    handle = handles.handle_of(module)  # a graph input: modules alike share one graph
     context = context_stack.context_handle(ctx)
     inp_2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
     if not ctx.enabled:  # calibrating: record, compute in high precision
@@ -63,12 +63,12 @@ def linear(
     if error:  # raised when the graph runs
         refuse(*error)
     if inp.numel() * weight.shape[0] < min_gemm_macs(backend, module.fp8_min_gemm_macs):
-        module.fp8_last_gemm_backend = "high_precision"
+        note_backend_op(handle, "high_precision", TOKEN)  # in order with the casts' notes
         return F.linear(inp, weight, bias)
     register = context_stack.note_call(handle, context)
     fp8_format = ctx.recipe.fp8_format
-    how = (handle, context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"))
-    out = _CompiledFP8Linear.apply(inp_2d, weight, bias, (*how, backend))
+    how = (context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
+    out = _CompiledFP8Linear.apply(inp_2d, weight, bias, handle, how)
     return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
 
 
@@ -92,9 +92,10 @@ class _CompiledFP8Linear(torch.autograd.Function):
         inp: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        how: tuple[int, int, bool, int, torch.dtype, torch.dtype, str],
+        handle: torch.Tensor,
+        how: tuple[int, bool, int, torch.dtype, torch.dtype, str],
     ) -> torch.Tensor:
-        handle, context, register, gemm, fwd_dtype, _, backend = how
+        context, register, gemm, fwd_dtype, _, backend = how
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         used = gemm_runs_as(backend, inp.shape[1], weight.shape[0])
         meta = (handle, context, register, "fwd")
@@ -108,15 +109,15 @@ class _CompiledFP8Linear(torch.autograd.Function):
         )  # fmt: skip
         # Fast accumulation in forward only, as the eager path (fp8state.backends.fp8_gemm).
         out = gemm_op(inp_fp8, inp_inv, weight_fp8.t(), weight_inv, inp.dtype, backend, bias, True)
-        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_inv, weight_inv)
+        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_inv, weight_inv, handle)
         ctx.how = how
         ctx.dtypes = (inp.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inp_fp8_t, weight_fp8_t, inp_inv, weight_inv = ctx.saved_tensors
-        handle, context, _, gemm, _, bwd_dtype, backend = ctx.how
+        inp_fp8_t, weight_fp8_t, inp_inv, weight_inv, handle = ctx.saved_tensors
+        context, _, gemm, _, bwd_dtype, backend = ctx.how
         inp_dtype, weight_dtype, bias_dtype = ctx.dtypes
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         need_bias = bias_dtype is not None and need_bgrad
@@ -139,4 +140,4 @@ class _CompiledFP8Linear(torch.autograd.Function):
             )
         if need_bias:
             grad_bias = grad_sums.to(bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None
+        return grad_inp, grad_weight, grad_bias, None, None

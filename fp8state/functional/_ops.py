@@ -30,10 +30,10 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import Direction
 
-__all__ = ["cast_op", "record_op", "gemm_op", "refuse"]
+__all__ = ["cast_op", "record_op", "note_backend_op", "gemm_op", "refuse"]
 
 
-def _module(handle: int, what: str) -> FP8StateMixin:
+def _module(handle: torch.Tensor, what: str) -> FP8StateMixin:
     return cast(FP8StateMixin, handles.module_of(handle, what))
 
 
@@ -64,14 +64,14 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
     mutates_args=("token",),
     tags=TAGS,
     schema=(
-        "(Tensor x, int handle, int context, bool register, str direction, int slot, "
+        "(Tensor x, Tensor handle, int context, bool register, str direction, int slot, "
         "ScalarType fp8_dtype, bool transpose, bool column_sums, str op, Tensor? aux, "
         "str backend, Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
 )
 def cast_op(
     x: torch.Tensor,
-    handle: int,
+    handle: torch.Tensor,
     context: int,
     register: bool,
     direction: str,
@@ -86,7 +86,8 @@ def cast_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One slot's cast of a compiled graph: the eager path's own code on the module's buffers.
 
-    Arguments as :func:`fp8state.functional._slot.cast_for`'s, with the module as its handle.
+    Arguments as :func:`fp8state.functional._slot.cast_for`'s, with the module as its handle
+    (:func:`fp8state._runtime.handles.handle_of`).
     The direction's step is opened and the module registered for that direction's scale
     update under the ``fp8_autocast`` numbered ``context`` (forward: where ``register``,
     else the graph's own context exit does it); ``backend``, where not empty, is noted as the
@@ -130,7 +131,7 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
 @cast_op.register_fake
 def _cast_op_fake(
     x: torch.Tensor,
-    handle: int,
+    handle: torch.Tensor,
     context: int,
     register: bool,
     direction: str,
@@ -154,10 +155,17 @@ def _cast_op_fake(
     "fp8state::record_amax",
     mutates_args=("token",),
     tags=TAGS,
-    schema=("(Tensor x, int handle, int context, bool register, int slot, Tensor(t!) token) -> ()"),
+    schema=(
+        "(Tensor x, Tensor handle, int context, bool register, int slot, Tensor(t!) token) -> ()"
+    ),
 )
 def record_op(
-    x: torch.Tensor, handle: int, context: int, register: bool, slot: int, token: torch.Tensor
+    x: torch.Tensor,
+    handle: torch.Tensor,
+    context: int,
+    register: bool,
+    slot: int,
+    token: torch.Tensor,
 ) -> None:
     """A forward amax record of a compiled calibration step (no cast), as the eager one."""
     module = _module(handle, f"fp8state::record_amax (slot {slot})")
@@ -167,8 +175,29 @@ def record_op(
 
 @record_op.register_fake
 def _record_op_fake(
-    x: torch.Tensor, handle: int, context: int, register: bool, slot: int, token: torch.Tensor
+    x: torch.Tensor,
+    handle: torch.Tensor,
+    context: int,
+    register: bool,
+    slot: int,
+    token: torch.Tensor,
 ) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "fp8state::note_backend",
+    mutates_args=("token",),
+    tags=TAGS,
+    schema="(Tensor handle, str backend, Tensor(t!) token) -> ()",
+)
+def note_backend_op(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
+    """Note ``backend`` as the module's ``fp8_last_gemm_backend``, in the graph's order."""
+    set_plain_attr(_module(handle, "fp8state::note_backend"), "fp8_last_gemm_backend", backend)
+
+
+@note_backend_op.register_fake
+def _note_backend_fake(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
     return None
 
 

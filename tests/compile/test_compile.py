@@ -270,3 +270,74 @@ def test_compiled_modules_deep_copy_and_refuse_an_impossible_backend() -> None:
     with pytest.raises(ConfigError, match="scaled_mm"):
         with fp8state.fp8_autocast(gemm_backend="scaled_mm"):
             compiled(_inputs(1)[0])
+
+
+def test_alike_modules_share_one_graph() -> None:
+    # Compiled block by block (as large models are): the module is a graph input, so
+    # identical blocks share a graph instead of compiling one each up to Dynamo's limit.
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    blocks = [fp8state.LayerNormLinear(32, 32) for _ in range(10)]
+    twins = copy.deepcopy(blocks)
+    for block in blocks:
+        block.compile(fullgraph=True, backend=counter)
+    for step, x in enumerate(_inputs(2)):
+        x.requires_grad_()  # as every block's input then: one graph fits all
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            _outside(nn.Sequential(*blocks), x)
+        _outside(nn.Sequential(*twins), x)
+    assert counter.frame_count == 1
+    for block, twin in zip(blocks, twins, strict=True):
+        _assert_same(block, twin)
+
+
+def test_gemm_backend_notes_follow_the_calls_in_order() -> None:
+    module, twin = _twins(lambda: fp8state.Linear(32, 32))
+    module.fp8_min_gemm_macs = twin.fp8_min_gemm_macs = 32 * 32 * 16  # 16 tokens or more
+
+    def two_sizes(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with fp8state.fp8_autocast():
+            return m(x[:4]).sum() + m(x).sum()  # high precision, then FP8
+
+    compiled, _ = _compiled(two_sizes)
+    for x in _inputs(2):
+        for m, fn in ((module, compiled), (twin, two_sizes)):
+            fn(m, x.reshape(-1, 32)).backward()
+        _assert_same(module, twin)
+        assert module.fp8_last_gemm_backend == twin.fp8_last_gemm_backend == "emulated"
+
+
+def _transposed_loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        return m(x.transpose(0, 1)).float().pow(2).sum()
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNormMLP"])
+def test_torch_autocast_around_a_compiled_step(name: str) -> None:
+    # The emulated GEMM computes in float32 whatever torch.autocast says, in the graph's
+    # operator as eagerly.
+    module, twin = _twins(MODULES[name])
+    step, _ = _compiled(_transposed_loss)
+    for x in _inputs(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = step(module, x), _transposed_loss(twin, x)
+        got.backward()
+        want.backward()
+        assert torch.equal(got, want)
+        _assert_same(module, twin)
+
+
+def test_an_eager_fp8_call_inside_a_broken_compiled_context_is_refused() -> None:
+    module = nn.Sequential(fp8state.Linear(32, 32), fp8state.Linear(32, 32))
+
+    @torch._dynamo.disable
+    def eager_part(x: torch.Tensor) -> torch.Tensor:
+        return module[1](x)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with fp8state.fp8_autocast():
+            return eager_part(module[0](x))
+
+    torch._dynamo.reset()
+    with pytest.raises(ConfigError, match="graph break inside the context"):
+        torch.compile(step, backend="aot_eager")(_inputs(1)[0])
