@@ -105,9 +105,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         meta_io.allocate(self, num_gemms=num_gemms, device=device, history_rows=history_rows)
         self._fp8_num_gemms = num_gemms
         self._fp8_mutations = 0  # see StepBookkeeping
-        bump_buffer_generation()  # a new module may reuse a dead one's id()
-        staging.register(self)
-        handles.register(self)
+        self._fp8_join_runtime()
         self._fp8_new_step: dict[Direction, bool] = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
         self.fp8_weight_cache: dict[
@@ -120,14 +118,21 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickling and ``copy.deepcopy`` make a new module without ``__init__``.
 
-        It may reuse a dead module's ``id()``, so pointer tables keyed by module ids must be
-        rebuilt (fp8state._runtime.generation), and it joins future stagings like any other module.
+        It joins the runtime as a new one does (:meth:`_fp8_join_runtime`).
         """
         super().__setstate__(state)
         if self._fp8_num_gemms is not None:
-            bump_buffer_generation()
-            staging.register(self)
-            handles.register(self)
+            self._fp8_join_runtime()
+
+    def _fp8_join_runtime(self) -> None:
+        """A module born (``init_fp8_meta``) or reborn without ``__init__`` joins the runtime.
+
+        It may reuse a dead module's ``id()``: pointer tables keyed by ids are rebuilt
+        (``_runtime.generation``), and it gets its own staging entry and compiled-graph handle.
+        """
+        bump_buffer_generation()
+        staging.register(self)
+        handles.register(self)
 
     # ------------------------------------------------------------------ metadata access
     @property

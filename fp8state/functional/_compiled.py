@@ -26,6 +26,7 @@ from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
 from fp8state.errors import ConfigError
 from fp8state.functional._ops import cast_op, gemm_op, note_backend_op, record_op, refuse
+from fp8state.functional._shapes import as_2d, like_input
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
@@ -53,7 +54,7 @@ def linear(
         )
     handle = handles.handle_of(module)  # a graph input: modules alike share one graph
     context = context_stack.context_handle(ctx)
-    inp_2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
+    inp_2d = as_2d(inp)
     if not ctx.enabled:  # calibrating: record, compute in high precision
         register = context_stack.note_call(handle, context)
         for x, role in ((inp_2d, FwdSlot.INPUT), (weight, FwdSlot.WEIGHT)):
@@ -69,7 +70,7 @@ def linear(
     fp8_format = ctx.recipe.fp8_format
     how = (context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
     out = _CompiledFP8Linear.apply(inp_2d, weight, bias, handle, how)
-    return out if inp.dim() == 2 else out.view(*inp.shape[:-1], out.shape[-1])
+    return like_input(out, inp)
 
 
 @torch.compiler.assume_constant_result

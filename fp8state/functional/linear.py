@@ -30,6 +30,7 @@ from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
 from fp8state.functional import _compiled
+from fp8state.functional._shapes import as_2d, like_input
 from fp8state.functional._slot import cast_for as _cast_slot
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
@@ -127,19 +128,6 @@ def fp8_backend(
     """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
     backend = resolve_backend(ctx.gemm_backend, inp.device)
     return None if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs) else backend
-
-
-def as_2d(inp: torch.Tensor) -> torch.Tensor:
-    """``(..., k)`` as ``(tokens, k)``, a view where the layout allows (never a copy of 2-D).
-
-    A 2-D input is returned as it is: even a no-op view costs host time on the hot path.
-    """
-    return inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
-
-
-def like_input(out_2d: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """A ``(tokens, n)`` result shaped ``(..., n)`` like ``inp``'s leading dimensions."""
-    return out_2d if inp.dim() == 2 else out_2d.view(*inp.shape[:-1], out_2d.shape[-1])
 
 
 def _cast_weight(
