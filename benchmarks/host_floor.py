@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -23,11 +24,15 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 class _Floor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, ops: dict) -> torch.Tensor:  # type: ignore[override]
-        x.to(E4M3)  # the input's cast
+        if not ops.get("fused_input"):  # else the kernel before wrote FP8 (LayerNorm, GELU)
+            x.to(E4M3)  # the input's cast
         w.to(E4M3)  # the weight's cast
         ctx.ops = ops
         s = ops["scale"]
-        return torch._scaled_mm(ops["x8"], ops["w8_t"], s, s, out_dtype=x.dtype)
+        out = torch._scaled_mm(  # fast accumulation in forward, as fp8state's
+            ops["x8"], ops["w8_t"], s, s, out_dtype=x.dtype, use_fast_accum=True
+        )
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
@@ -36,8 +41,26 @@ class _Floor(torch.autograd.Function):
         grad.to(E5M2)  # the output gradient's cast
         dx = torch._scaled_mm(ops["g8"], ops["w8"], s, s, out_dtype=grad.dtype)
         dw = torch._scaled_mm(ops["g8_t"], ops["x8_cm"], s, s, out_dtype=grad.dtype)
-        ops["bwd_scale"].mul_(1.0)  # the backward scale update
-        return dx, dw, None
+        if "bwd_scale" in ops:  # one module stepping alone updates its own scales
+            ops["bwd_scale"].mul_(1.0)
+        return dx.view(*grad.shape[:-1], dx.shape[-1]), dw, None
+
+
+def _operands(tokens: int, k: int, n: int, dev: str) -> dict[str, torch.Tensor]:
+    """Every operand the floor's GEMMs read, cast and laid out beforehand."""
+    bf16 = torch.bfloat16
+    x = torch.randn(tokens, k, device=dev, dtype=bf16)
+    w = torch.randn(n, k, device=dev, dtype=bf16)
+    grad = torch.randn(tokens, n, device=dev, dtype=bf16)
+    return {
+        "scale": torch.ones((), device=dev),
+        "x8": x.to(E4M3),  # (M, K) row-major
+        "w8_t": w.to(E4M3).t(),  # (K, N) column-major
+        "g8": grad.to(E5M2),  # (M, N) row-major
+        "w8": w.t().contiguous().to(E4M3).t(),  # (N, K) column-major
+        "g8_t": grad.t().contiguous().to(E5M2),  # (N, M) row-major
+        "x8_cm": x.to(E4M3).t().contiguous().t(),  # (M, K) read as column-major (K, M).T
+    }
 
 
 def floor_step(tokens: int, k: int, n: int) -> Callable[[], None]:
@@ -46,22 +69,44 @@ def floor_step(tokens: int, k: int, n: int) -> Callable[[], None]:
     x = torch.randn(tokens, k, device=dev, dtype=bf16, requires_grad=True)
     w = torch.randn(n, k, device=dev, dtype=bf16, requires_grad=True)
     grad = torch.randn(tokens, n, device=dev, dtype=bf16)
-    ops = {
-        "scale": torch.ones((), device=dev),
-        "bwd_scale": torch.ones(2, device=dev),
-        "x8": x.detach().to(E4M3),  # (M, K) row-major
-        "w8_t": w.detach().to(E4M3).t(),  # (K, N) column-major
-        "g8": grad.to(E5M2),  # (M, N) row-major
-        "w8": w.detach().t().contiguous().to(E4M3).t(),  # (N, K) column-major
-        "g8_t": grad.t().contiguous().to(E5M2),  # (N, M) row-major
-        "x8_cm": x.detach().to(E4M3),  # (M, K) row-major read as column-major (K, M).T
-    }
-    ops["x8_cm"] = ops["x8_cm"].t().contiguous().t()
+    ops = {**_operands(tokens, k, n, dev), "bwd_scale": torch.ones(2, device=dev)}
     fwd_scale = torch.ones(3, device=dev)
 
     def step() -> None:
         y = _Floor.apply(x, w, ops)
         fwd_scale.mul_(1.0)  # the forward scale update, when the forward context exits
         y.backward(grad)
+
+    return step
+
+
+class FloorLinear(nn.Module):
+    """The floor's FP8 GEMM as a layer of a model: ``tokens`` rows in, ``n`` features out.
+
+    Its GEMMs read operands cast beforehand, so the layer's output does not depend on its
+    input: it measures the launches of a model's FP8 step, not its numbers. The scale
+    updates are the model step's (:func:`floor_model_step`), one per direction per step.
+    ``fused_input``: the kernel that made the input also cast it (a LayerNorm or GELU fused
+    with the cast), so the layer launches no cast of its own for it.
+    """
+
+    def __init__(self, tokens: int, k: int, n: int, fused_input: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        self.ops = {**_operands(tokens, k, n, "cuda"), "fused_input": fused_input}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Floor.apply(x, self.weight, self.ops)
+
+
+def floor_model_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """A fwd+bwd of ``model`` (built of :class:`FloorLinear`) with one update per direction."""
+    fwd_scale, bwd_scale = torch.ones(3, device="cuda"), torch.ones(3, device="cuda")
+
+    def step() -> None:
+        y = model(x)
+        fwd_scale.mul_(1.0)  # the step's forward scale update
+        y.backward(grad)
+        bwd_scale.mul_(1.0)  # the step's backward scale update
 
     return step

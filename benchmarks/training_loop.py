@@ -17,6 +17,16 @@ the same process (> 1: FP8 is faster):
   ``graphed_layers_1x2048`` (each layer graphed by ``fp8state.make_graphed_callables``,
   against ``torch.cuda.make_graphed_callables`` for bf16) and
   ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
+  The whole-step graph is captured by hand, so its FP8 modules are marked ``fp8_graphed``
+  (the graphed default threshold), as ``make_graphed_callables`` marks its own.
+  ``floor_eager_1x2048`` / ``floor_eager_4x2048``: the same model with every FP8 layer the
+  least any eager FP8 GEMM can launch (``host_floor.FloorLinear``: casts without amaxes,
+  LayerNorm and GELU fused into the casts, no bookkeeping): an upper bound on what any
+  eager FP8 implementation of this model reaches (CUDA only).
+- ``sweep_context_ceiling``: per sweep shape, ``nn.Linear`` stepped inside ``fp8_autocast``
+  against ``nn.Linear`` alone: the context's own host cost, which every fp8state step pays.
+  Where a module falls back to high precision (``nn.Linear``'s very kernels), its step can
+  beat this ratio by no means.
 - ``host_overhead_ratio``: host time to queue one fwd+bwd of ``fp8state.Linear`` over that
   of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for); ``host_floor_ratio``: the
   same for the least any eager FP8 Linear step can launch (``benchmarks/host_floor.py``).
@@ -37,7 +47,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path when run as a script
+from hopper import spin_up, steady_pair_ms
+from host_floor import FloorLinear, floor_model_step, floor_step  # benchmarks/ on sys.path
 from torch import nn
 
 import fp8state
@@ -51,11 +62,30 @@ COMPILED_STEPS = 20
 class Block(nn.Module):
     """One pre-LN transformer layer, from fp8state's modules or from torch.nn's."""
 
-    def __init__(self, hidden: int, ffn: int, heads: int, fp8: bool, device: torch.device):
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        heads: int,
+        fp8: bool,
+        device: torch.device,
+        floor_tokens: int | None = None,
+    ):
         super().__init__()
         self.heads = heads
         kw = {"device": device, "dtype": torch.bfloat16}
-        if fp8:
+        if floor_tokens is not None:  # the least an eager FP8 layer can launch (host_floor)
+            t = floor_tokens
+            self.qkv = nn.Sequential(
+                nn.LayerNorm(hidden, **kw), FloorLinear(t, hidden, 3 * hidden, fused_input=True)
+            )
+            self.proj = FloorLinear(t, hidden, hidden)
+            self.mlp = nn.Sequential(  # GELU fused into the second GEMM's input cast
+                nn.LayerNorm(hidden, **kw),
+                FloorLinear(t, hidden, ffn, fused_input=True),
+                FloorLinear(t, ffn, hidden),
+            )
+        elif fp8:
             pkw = {"device": device, "params_dtype": torch.bfloat16}
             self.qkv: nn.Module = fp8state.LayerNormLinear(hidden, 3 * hidden, **pkw)
             self.proj: nn.Module = fp8state.Linear(hidden, hidden, **pkw)
@@ -80,11 +110,14 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
-def build_model(fp8: bool, device: torch.device, **shape: int) -> nn.Module:
+def build_model(
+    fp8: bool, device: torch.device, floor_tokens: int | None = None, **shape: int
+) -> nn.Module:
+    """The model of fp8state's or torch.nn's layers, or of floor layers for ``floor_tokens``."""
     torch.manual_seed(0)
     dims = {**MODEL, **shape}
     blocks = [
-        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device)
+        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device, floor_tokens)
         for _ in range(dims["layers"])
     ]
     return nn.Sequential(*blocks)
@@ -123,18 +156,20 @@ def _pair(fp8: Callable, bf16: Callable, device: torch.device, args) -> float:
     return round(bf16_ms / fp8_ms, 3)
 
 
-def bench_sweep(device: torch.device, args) -> dict[str, float]:
-    result = {}
+def bench_sweep(device: torch.device, args) -> tuple[dict[str, float], dict[str, float]]:
+    """Per shape: fp8state.Linear against nn.Linear, and nn.Linear inside fp8_autocast
+    against nn.Linear (the context's own cost: the ceiling of a step that falls back)."""
+    result, context = {}, {}
     for m, k, n in args.sweep:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         fp8 = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device=device)
         bf16 = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
-        result[f"{m}x{k}x{n}"] = _pair(
-            make_step(fp8, x, grad, True), make_step(bf16, x, grad, False), device, args
-        )
+        plain = make_step(bf16, x, grad, False)
+        result[f"{m}x{k}x{n}"] = _pair(make_step(fp8, x, grad, True), plain, device, args)
+        context[f"{m}x{k}x{n}"] = _pair(make_step(bf16, x, grad, True), plain, device, args)
         del x, grad, fp8, bf16
-    return result
+    return result, context
 
 
 def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dict]:
@@ -148,6 +183,13 @@ def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dic
         grad = torch.randn_like(x)
         steps = {fp8: make_step(models[fp8], x, grad, fp8) for fp8 in (True, False)}
         result[f"eager_{batch}x{args.tokens}"] = _pair(steps[True], steps[False], device, args)
+        if device.type == "cuda":  # the least any eager FP8 model step can launch
+            floor = build_model(False, device, batch * args.tokens, **args.model)
+            floor_step = floor_model_step(floor, x, grad)
+            result[f"floor_eager_{batch}x{args.tokens}"] = _pair(
+                floor_step, steps[False], device, args
+            )
+            del floor, floor_step
         if batch == 1:
             counts = _other_modes(models, steps, x, grad, device, args, result)
     return result, counts
@@ -157,9 +199,15 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     """Graphed and compiled steps of one sequence; returns the compile counts."""
     tag = f"1x{args.tokens}"
     if device.type == "cuda":
+        # Captured by hand: the modules say so, for the graphed FP8 threshold.
+        fp8_modules = [m for m in models[True].modules() if isinstance(m, fp8state.FP8StateMixin)]
+        for m in fp8_modules:
+            m.fp8_graphed = True
         result[f"graphed_{tag}"] = _guarded(
             lambda: _pair(graphed(steps[True]), graphed(steps[False]), device, args)
         )
+        for m in fp8_modules:  # compiled steps queue their launches as eager ones do
+            m.fp8_graphed = False
         result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))
     compiled = {fp8: make_step(torch.compile(models[fp8]), x, grad, fp8) for fp8 in (True, False)}
     counts = _guarded(lambda: compile_counts(compiled[True]))
@@ -232,7 +280,6 @@ def bench_host(device: torch.device, args) -> dict[str, float | None]:
     """Host time per FP8 Linear step over nn.Linear's: fp8state's, and the floor's."""
     if device.type != "cuda":
         return {"host_overhead_ratio": None, "host_floor_ratio": None}
-    from host_floor import floor_step
     from host_overhead import build, host_us
 
     m, k, n = args.host_shape
@@ -261,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     result: dict = {}
     if "sweep" not in args.skip:
-        result["sweep_speedup"] = bench_sweep(device, args)
+        result["sweep_speedup"], result["sweep_context_ceiling"] = bench_sweep(device, args)
     if "model" not in args.skip:
         result["model_h2048_speedup"], counts = bench_model(device, args)
         result.update(counts)

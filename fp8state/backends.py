@@ -19,6 +19,7 @@ from fp8state.quantize import dequantize
 __all__ = [
     "BACKENDS",
     "DEFAULT_MIN_GEMM_MACS",
+    "GRAPHED_MIN_GEMM_MACS",
     "scaled_mm_support",
     "resolve_backend",
     "fp8_gemm",
@@ -29,10 +30,17 @@ __all__ = [
 BACKENDS = ("auto", "emulated", "scaled_mm")
 
 #: Below this many multiply-accumulates (tokens * in * out) a GEMM runs in high precision under
-#: fp8_autocast: casting costs more than FP8 saves. Measured on an H200 (docs/benchmarks.md):
-#: at 2048x1024x1024 (2**31) the FP8 GEMM alone is slower than bf16. The emulation exists for
-#: numerics, not speed, so it never falls back.
-DEFAULT_MIN_GEMM_MACS = {"scaled_mm": 2**32, "emulated": 0}
+#: fp8_autocast, eagerly and compiled: there the host queues every launch of the step, and an
+#: FP8 GEMM's casts, scale bookkeeping and three ``torch._scaled_mm`` calls cost more host time
+#: than its faster kernels save until the GEMM is this large (measured on an H200,
+#: docs/benchmarks.md: fwd+bwd at 2**36 ran at 0.61x bf16, at 2**37 at 1.02-1.18x). The
+#: emulation exists for numerics, not speed, so it never falls back.
+DEFAULT_MIN_GEMM_MACS = {"scaled_mm": 2**37, "emulated": 0}
+#: The same threshold for modules whose steps replay as CUDA graphs
+#: (``fp8state.make_graphed_callables``): one launch per step takes the host out, and FP8 pays
+#: from where its kernels alone beat bf16's (at 2048x1024x1024, 2**31, the FP8 GEMM alone is
+#: slower).
+GRAPHED_MIN_GEMM_MACS = {"scaled_mm": 2**32, "emulated": 0}
 
 # torch._scaled_mm needs the inner and output dimensions to be multiples of 16.
 _SCALED_MM_ALIGN = 16
@@ -88,9 +96,27 @@ def resolve_backend(requested: str, device: torch.device) -> str:
 _RESOLVED: dict[tuple[str, torch.device], str] = {}
 
 
-def min_gemm_macs(backend: str, override: int | None) -> int:
-    """The fallback threshold for ``backend``: ``override`` if set, else the default."""
-    return DEFAULT_MIN_GEMM_MACS[backend] if override is None else override
+def min_gemm_macs(backend: str, override: int | None, graphed: bool = False) -> int:
+    """The fallback threshold for ``backend``: ``override`` if set, else the default.
+
+    Args:
+        backend: ``"scaled_mm"`` or ``"emulated"``.
+        override: The module's ``fp8_min_gemm_macs`` (None: the default).
+        graphed: The module's steps replay as CUDA graphs (``fp8_graphed``): the default is
+            :data:`GRAPHED_MIN_GEMM_MACS`'s instead of :data:`DEFAULT_MIN_GEMM_MACS`'s.
+
+    Example:
+        >>> from fp8state.backends import min_gemm_macs
+        >>> min_gemm_macs("scaled_mm", None) == 2**37
+        True
+        >>> min_gemm_macs("scaled_mm", None, graphed=True) == 2**32
+        True
+        >>> min_gemm_macs("scaled_mm", 0), min_gemm_macs("emulated", None)
+        (0, 0)
+    """
+    if override is not None:
+        return override
+    return (GRAPHED_MIN_GEMM_MACS if graphed else DEFAULT_MIN_GEMM_MACS)[backend]
 
 
 def gemm_runs_as(backend: str, inner: int, cols: int) -> str:

@@ -68,9 +68,12 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
     #: "high_precision" (too small for FP8 to pay, see ``fp8_min_gemm_macs``); "none" before any.
     fp8_last_gemm_backend: str = "none"
     #: GEMMs with fewer multiply-accumulates (tokens * in * out) run in high precision under
-    #: fp8_autocast. None: the backend's default (``fp8state.backends.DEFAULT_MIN_GEMM_MACS``);
-    #: 0: always FP8.
+    #: fp8_autocast. None: the backend's default (``fp8state.backends.DEFAULT_MIN_GEMM_MACS``,
+    #: or ``GRAPHED_MIN_GEMM_MACS`` where ``fp8_graphed``); 0: always FP8.
     fp8_min_gemm_macs: int | None = None
+    #: Set by ``fp8state.make_graphed_callables``: the module's steps replay as CUDA graphs, so
+    #: the host's launch cost no longer counts against FP8 in the default threshold.
+    fp8_graphed: bool = False
 
     def init_fp8_meta(
         self,

@@ -22,6 +22,7 @@ import torch
 
 from fp8state._runtime import handles, recompute
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
+from fp8state._runtime.operators import define
 
 __all__ = [
     "THREAD",
@@ -168,13 +169,7 @@ def compiled_exit() -> None:
         _exit_op(TOKEN, [c[0] for c in calls], [c[1] for c in calls], around)
 
 
-@torch.library.custom_op(
-    "fp8state::autocast_exit",
-    mutates_args=("token",),
-    tags=TAGS,
-    schema="(Tensor(t!) token, Tensor[] modules, int[] contexts, bool around) -> ()",
-)
-def _exit_op(
+def _exit(
     token: torch.Tensor, modules: list[torch.Tensor], contexts: list[int], around: bool
 ) -> None:
     if around:  # an fp8_autocast entered before the graph updates them at its exit
@@ -190,8 +185,16 @@ def _exit_op(
         reduce_and_update("fwd", pending)
 
 
-@_exit_op.register_fake
 def _exit_fake(
     token: torch.Tensor, modules: list[torch.Tensor], contexts: list[int], around: bool
 ) -> None:
     return None
+
+
+_exit_op = define(
+    "autocast_exit",
+    "(Tensor(t!) token, Tensor[] modules, int[] contexts, bool around) -> ()",
+    _exit,
+    _exit_fake,
+    TAGS,
+)

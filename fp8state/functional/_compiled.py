@@ -63,7 +63,9 @@ def linear(
     backend, error = _resolved(ctx.gemm_backend, inp.device)
     if error:  # raised when the graph runs
         refuse(*error)
-    if inp.numel() * weight.shape[0] < min_gemm_macs(backend, module.fp8_min_gemm_macs):
+    if inp.numel() * weight.shape[0] < min_gemm_macs(
+        backend, module.fp8_min_gemm_macs, module.fp8_graphed
+    ):
         note_backend_op(handle, "high_precision", TOKEN)  # in order with the casts' notes
         return F.linear(inp, weight, bias)
     register = context_stack.note_call(handle, context)

@@ -12,7 +12,7 @@ guards never see its Python state, and its buffers are never graph inputs that t
 would copy (functionalization) and write back later than the scale update reads them.
 
 Inductor calls the operators as they are: fp8state's Triton kernels run inside them, neither
-re-lowered nor compiled again; the FP8 GEMM too (:func:`gemm_op`).
+re-lowered nor compiled again; the FP8 GEMM too (``fp8state::gemm``).
 """
 
 from typing import cast
@@ -23,6 +23,7 @@ from fp8state import autocast
 from fp8state._runtime import handles
 from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.friend import set_plain_attr
+from fp8state._runtime.operators import define
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError, RecomputationError
 from fp8state.functional._slot import cast_for
@@ -59,17 +60,7 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
         autocast.register_forward(module, context_of(context))
 
 
-@torch.library.custom_op(
-    "fp8state::cast_slot",
-    mutates_args=("token",),
-    tags=TAGS,
-    schema=(
-        "(Tensor x, Tensor handle, int context, bool register, str direction, int slot, "
-        "ScalarType fp8_dtype, bool transpose, bool column_sums, str op, Tensor? aux, "
-        "str backend, Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-)
-def cast_op(
+def _cast(
     x: torch.Tensor,
     handle: torch.Tensor,
     context: int,
@@ -128,8 +119,7 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     return x.dtype if op == "identity" else torch.float32
 
 
-@cast_op.register_fake
-def _cast_op_fake(
+def _cast_fake(
     x: torch.Tensor,
     handle: torch.Tensor,
     context: int,
@@ -151,15 +141,18 @@ def _cast_op_fake(
     return x_fp8, x_fp8_t, x.new_empty(1, dtype=torch.float32), sums
 
 
-@torch.library.custom_op(
-    "fp8state::record_amax",
-    mutates_args=("token",),
-    tags=TAGS,
-    schema=(
-        "(Tensor x, Tensor handle, int context, bool register, int slot, Tensor(t!) token) -> ()"
-    ),
+cast_op = define(
+    "cast_slot",
+    "(Tensor x, Tensor handle, int context, bool register, str direction, int slot, "
+    "ScalarType fp8_dtype, bool transpose, bool column_sums, str op, Tensor? aux, "
+    "str backend, Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)",
+    _cast,
+    _cast_fake,
+    TAGS,
 )
-def record_op(
+
+
+def _record(
     x: torch.Tensor,
     handle: torch.Tensor,
     context: int,
@@ -173,8 +166,7 @@ def record_op(
     module.fp8_record_amax("fwd", slot, finite_amax(x))
 
 
-@record_op.register_fake
-def _record_op_fake(
+def _record_fake(
     x: torch.Tensor,
     handle: torch.Tensor,
     context: int,
@@ -185,31 +177,34 @@ def _record_op_fake(
     return None
 
 
-@torch.library.custom_op(
-    "fp8state::note_backend",
-    mutates_args=("token",),
-    tags=TAGS,
-    schema="(Tensor handle, str backend, Tensor(t!) token) -> ()",
+record_op = define(
+    "record_amax",
+    "(Tensor x, Tensor handle, int context, bool register, int slot, Tensor(t!) token) -> ()",
+    _record,
+    _record_fake,
+    TAGS,
 )
-def note_backend_op(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
+
+
+def _note_backend(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
     """Note ``backend`` as the module's ``fp8_last_gemm_backend``, in the graph's order."""
     set_plain_attr(_module(handle, "fp8state::note_backend"), "fp8_last_gemm_backend", backend)
 
 
-@note_backend_op.register_fake
 def _note_backend_fake(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
     return None
 
 
-@torch.library.custom_op(
-    "fp8state::gemm",
-    mutates_args=(),
-    schema=(
-        "(Tensor a, Tensor a_inv, Tensor b, Tensor b_inv, ScalarType out_dtype, str backend, "
-        "Tensor? bias, bool fast_accum) -> Tensor"
-    ),
+note_backend_op = define(
+    "note_backend",
+    "(Tensor handle, str backend, Tensor(t!) token) -> ()",
+    _note_backend,
+    _note_backend_fake,
+    TAGS,
 )
-def gemm_op(
+
+
+def _gemm(
     a: torch.Tensor,
     a_inv: torch.Tensor,
     b: torch.Tensor,
@@ -228,7 +223,6 @@ def gemm_op(
     return out
 
 
-@gemm_op.register_fake
 def _gemm_fake(
     a: torch.Tensor,
     a_inv: torch.Tensor,
@@ -240,6 +234,15 @@ def _gemm_fake(
     fast_accum: bool,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+gemm_op = define(
+    "gemm",
+    "(Tensor a, Tensor a_inv, Tensor b, Tensor b_inv, ScalarType out_dtype, str backend, "
+    "Tensor? bias, bool fast_accum) -> Tensor",
+    _gemm,
+    _gemm_fake,
+)
 
 
 # Errors a compiled graph raises at runtime, by number (Dynamo cannot build them in a trace).
@@ -262,13 +265,12 @@ def refuse(key: str, found: str, expected: str, fix: str) -> None:
     _refuse_op(TOKEN, _refusal(key, found, expected, fix))
 
 
-@torch.library.custom_op(
-    "fp8state::refuse", mutates_args=("token",), schema="(Tensor(t!) token, int error) -> ()"
-)
-def _refuse_op(token: torch.Tensor, error: int) -> None:
+def _refuse(token: torch.Tensor, error: int) -> None:
     raise _ERRORS[error]
 
 
-@_refuse_op.register_fake
 def _refuse_fake(token: torch.Tensor, error: int) -> None:
     return None
+
+
+_refuse_op = define("refuse", "(Tensor(t!) token, int error) -> ()", _refuse, _refuse_fake)

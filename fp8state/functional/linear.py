@@ -127,7 +127,8 @@ def fp8_backend(
 ) -> str | None:
     """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
     backend = resolve_backend(ctx.gemm_backend, inp.device)
-    return None if macs < min_gemm_macs(backend, module.fp8_min_gemm_macs) else backend
+    threshold = min_gemm_macs(backend, module.fp8_min_gemm_macs, module.fp8_graphed)
+    return None if macs < threshold else backend
 
 
 def _cast_weight(

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from fp8state import autocast
 from fp8state._runtime import amax_reduction
+from fp8state._runtime.friend import set_plain_attr
 from fp8state.mixin import FP8StateMixin
 from fp8state.schema import DirectionState
 from fp8state.slots import DIRECTIONS, Direction
@@ -121,9 +122,19 @@ def capture_all(
     fp8 = [m for module in modules for m in fp8_modules_of(module)]
     saved = _snapshot(fp8)
     params = [tuple(m.parameters()) for m in modules]
-    with amax_reduction.tables_kept() as tables:
-        _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
-        captured = _capture(forwards, sample_args, params, ctx, allow_unused, pool)
+    # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs' own
+    # (fp8state.backends.GRAPHED_MIN_GEMM_MACS), and the warm-up must run what is captured.
+    was_graphed = [m.fp8_graphed for m in fp8]
+    for m in fp8:
+        set_plain_attr(m, "fp8_graphed", True)
+    try:
+        with amax_reduction.tables_kept() as tables:
+            _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
+            captured = _capture(forwards, sample_args, params, ctx, allow_unused, pool)
+    except BaseException:
+        for m, was in zip(fp8, was_graphed, strict=True):
+            set_plain_attr(m, "fp8_graphed", was)
+        raise
     _put_back(saved)
     return captured, tables
 

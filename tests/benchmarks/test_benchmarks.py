@@ -120,11 +120,19 @@ def test_checkpoint_round_trip_benchmark_quick_run(tmp_path) -> None:
 
 def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     result = _quick_run("training_loop.py", tmp_path, 600)
-    assert set(result["sweep_speedup"]) == {"64x32x32"}
+    assert set(result["sweep_speedup"]) == set(result["sweep_context_ceiling"]) == {"64x32x32"}
     assert set(result["model_h2048_speedup"]) == {"eager_1x32", "eager_4x32", "compiled_1x32"}
     assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
     assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
+
+
+def test_profile_step_benchmark_quick_run() -> None:
+    stdout = _script("profile_step.py", "--quick", "--top", "5", timeout=600)
+    for mode in ("eager", "compiled"):
+        for model in ("fp8state", "bf16"):
+            assert f"== {mode} {model}: host " in stdout
+    assert stdout.count("Ordered by: internal time") == 2  # one profile per FP8 mode
 
 
 def test_dcp_metadata_read_benchmark_runs() -> None:

@@ -57,7 +57,6 @@ NO_EXAMPLE = {
     "fp8state.backends.scaled_mm_support": "docs/faq.md (GPU requirements)",
     "fp8state.backends.resolve_backend": "docs/faq.md (GPU requirements)",
     "fp8state.backends.fp8_gemm": "called by fp8state.functional.fp8_linear (its example)",
-    "fp8state.backends.min_gemm_macs": "docs/faq.md (small layers)",
 }
 
 

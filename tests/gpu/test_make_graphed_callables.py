@@ -191,3 +191,22 @@ def test_capture_inside_fp8_autocast_is_refused() -> None:
     graphed, _ = _pair(BUILD["Linear"])
     with fp8state.fp8_autocast(), pytest.raises(ConfigError, match="inside fp8_autocast"):
         fp8state.make_graphed_callables(graphed, (_input(100),))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 GEMMs (Ada or Hopper)",
+)
+def test_graphed_modules_run_fp8_from_the_graphed_threshold() -> None:
+    # 2048 tokens x 2048 x 2048: below the eager default threshold, above the graphed one.
+    eager, graphed = (fp8state.Linear(2048, 2048, **KW) for _ in range(2))
+    x = torch.randn(2048, 2048, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    with fp8state.fp8_autocast():
+        eager(x).float().sum().backward()
+    assert eager.fp8_last_gemm_backend == "high_precision"
+    assert not eager.fp8_graphed
+    fp8state.make_graphed_callables(graphed, (x,))
+    assert graphed.fp8_graphed
+    graphed(x).float().sum().backward()
+    assert graphed.fp8_last_gemm_backend == "scaled_mm"
+    assert graphed.fp8_meta("fwd").amax_history[0, :2].gt(0).all()  # recorded by the replay

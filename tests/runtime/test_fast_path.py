@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import fp8state
 from fp8state._runtime.slot_cast import cast_and_record, fused_kernel_available
-from fp8state.backends import DEFAULT_MIN_GEMM_MACS, min_gemm_macs
+from fp8state.backends import DEFAULT_MIN_GEMM_MACS, GRAPHED_MIN_GEMM_MACS, min_gemm_macs
 from fp8state.quantize import finite_amax, quantize
 
 H = 32
@@ -62,10 +62,31 @@ def test_small_gemms_fall_back_to_exact_high_precision(seed: int) -> None:
 
 
 def test_fallback_thresholds() -> None:
-    assert min_gemm_macs("emulated", None) == 0  # CPU tests always exercise FP8
-    assert min_gemm_macs("scaled_mm", None) == DEFAULT_MIN_GEMM_MACS["scaled_mm"]
-    assert min_gemm_macs("scaled_mm", 0) == 0
-    assert 2048 * 1024 * 1024 < DEFAULT_MIN_GEMM_MACS["scaled_mm"] < 16384 * 4096 * 4096
+    for graphed in (False, True):
+        assert min_gemm_macs("emulated", None, graphed) == 0  # CPU tests always exercise FP8
+        assert min_gemm_macs("scaled_mm", 0, graphed) == 0  # an override wins
+        assert min_gemm_macs("scaled_mm", 12345, graphed) == 12345
+    eager = min_gemm_macs("scaled_mm", None)
+    graphed = min_gemm_macs("scaled_mm", None, graphed=True)
+    assert eager == DEFAULT_MIN_GEMM_MACS["scaled_mm"]
+    assert graphed == GRAPHED_MIN_GEMM_MACS["scaled_mm"]
+    # Graphs take the host's launch cost out: FP8 pays from smaller GEMMs there. Eagerly,
+    # a 2048-token 2048x2048 GEMM stays in high precision; graphed, it runs in FP8.
+    assert 2048 * 1024 * 1024 < graphed <= 2048 * 2048 * 2048 < eager <= 2048 * 8192 * 8192
+
+
+def test_graphed_modules_take_the_graphed_default() -> None:
+    layer = fp8state.Linear(H, H)
+    assert layer.fp8_graphed is False  # until make_graphed_callables marks it
+    # The emulation never falls back, graphed or not, so CPU steps stay FP8 either way.
+    layer.fp8_graphed = True
+    with fp8state.fp8_autocast():
+        layer(torch.randn(8, H))
+    assert layer.fp8_last_gemm_backend == "emulated"
+    layer.fp8_min_gemm_macs = 8 * H * H + 1  # an explicit threshold still applies
+    with fp8state.fp8_autocast():
+        layer(torch.randn(8, H))
+    assert layer.fp8_last_gemm_backend == "high_precision"
 
 
 def test_backward_keeps_only_fp8_copies(seed: int) -> None:

@@ -1,0 +1,68 @@
+"""What a GEMM below the FP8 threshold costs: fp8state's high-precision fallback against nn.Linear.
+
+Usage (CUDA): ``python benchmarks/fallback_probe.py [--shape 8192x2048x2048]``.
+
+Times fwd+bwd steps as ``training_loop.py``'s sweep does (:func:`hopper.steady_pair_ms`), in
+both orders, for: ``nn.Linear`` alone, ``nn.Linear`` inside ``fp8_autocast`` (the context's
+own cost), and ``fp8state.Linear`` falling back to high precision; then lists the kernels of
+one step of each (``torch.profiler``), which must be the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from training_loop import make_step
+
+import fp8state
+
+
+def _kernels(step: Callable[[], None]) -> list[str]:
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8192x2048x2048")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    m, k, n = (int(v) for v in args.shape.split("x"))
+    device = torch.device("cuda")
+    spin_up(device, 2.0)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    plain = nn.Linear(k, n, device=device, dtype=torch.bfloat16)
+    fallback = fp8state.Linear(k, n, params_dtype=torch.bfloat16, device=device)
+    fallback.fp8_min_gemm_macs = m * k * n + 1  # high precision at this shape
+    steps = {
+        "nn.Linear": make_step(plain, x, grad, False),
+        "nn.Linear in fp8_autocast": make_step(plain, x, grad, True),  # the context alone
+        "fp8state.Linear fallback": make_step(fallback, x, grad, True),
+    }
+    base = steps["nn.Linear"]
+    for name, step in steps.items():
+        for _ in range(args.rounds):
+            ab = steady_pair_ms(base, step, device, 5, 10)
+            ba = steady_pair_ms(step, base, device, 5, 10)
+            print(
+                f"{name}: nn.Linear/this {ab[0] / ab[1]:.3f} (this second), "
+                f"{ba[1] / ba[0]:.3f} (this first); ms {ab[1]:.4f} {ba[0]:.4f}"
+            )
+    assert fallback.fp8_last_gemm_backend == "high_precision"
+    for name, step in steps.items():
+        print(name, _kernels(step))
+
+
+if __name__ == "__main__":
+    main()
