@@ -33,7 +33,8 @@ BACKENDS = ("auto", "emulated", "scaled_mm")
 #: fp8_autocast, eagerly and compiled: there the host queues every launch of the step, and an
 #: FP8 GEMM's casts, scale bookkeeping and three ``torch._scaled_mm`` calls cost more host time
 #: than its faster kernels save until the GEMM is this large (measured on an H200,
-#: docs/benchmarks.md: fwd+bwd at 2**36 ran at 0.61x bf16, at 2**37 at 1.02-1.18x). The
+#: docs/benchmarks.md: fwd+bwd at 2**36 ran at 0.61x bf16, at 2**37 at 0.80-1.18x, above 1
+#: in four of six runs, and it keeps the MLP GEMMs of 8192-token batches in FP8). The
 #: emulation exists for numerics, not speed, so it never falls back.
 DEFAULT_MIN_GEMM_MACS = {"scaled_mm": 2**37, "emulated": 0}
 #: The same threshold for modules whose steps replay as CUDA graphs
