@@ -40,16 +40,17 @@ QUANT_SHAPE = (16384, 4096)
 N_MODULES = 1000
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing to wait for on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _once_ms(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -103,7 +104,7 @@ def steady_pair_ms(
 def _block_ms(fn: Callable[[], object], device: torch.device, steps: int) -> float:
     if device.type != "cuda":
         return _once_ms(lambda: [fn() for _ in range(steps)], device) / steps
-    _sync(device)
+    sync(device)
     return _events_ms(fn, steps)
 
 
@@ -145,7 +146,7 @@ def spin_up(device: torch.device, seconds: float) -> None:
     while time.perf_counter() < end:
         for _ in range(20):
             a @ a
-        _sync(device)
+        sync(device)
 
 
 def fwd_bwd(
@@ -193,11 +194,11 @@ def _peak_mb(step: Callable[[], None], device: torch.device) -> float | None:
     if device.type != "cuda":
         return None  # no allocator statistics on CPU
     step()
-    _sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     step()
-    _sync(device)
+    sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 

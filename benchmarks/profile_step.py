@@ -18,22 +18,18 @@ import time
 from collections.abc import Callable
 
 import torch
-from training_loop import build_model, make_step  # benchmarks/ is on sys.path as a script
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hopper import sync  # benchmarks/ is on sys.path as a script
+from training_loop import build_model, make_step
 
 
 def timed_ms(step: Callable[[], None], device: torch.device, iters: int) -> tuple[float, float]:
     """(host ms per step, GPU not waited for; synchronized ms per step)."""
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         step()
     host = time.perf_counter() - start
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - start
     return host / iters * 1e3, wall / iters * 1e3
 
@@ -41,12 +37,12 @@ def timed_ms(step: Callable[[], None], device: torch.device, iters: int) -> tupl
 def profiled(step: Callable[[], None], device: torch.device, iters: int, top: int) -> str:
     """cProfile's view of ``iters`` steps: the ``top`` functions by own and cumulative time."""
     profiler = cProfile.Profile()
-    _sync(device)
+    sync(device)
     profiler.enable()
     for _ in range(iters):
         step()
     profiler.disable()
-    _sync(device)
+    sync(device)
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out).strip_dirs()
     stats.sort_stats("tottime").print_stats(top)

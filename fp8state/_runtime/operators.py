@@ -6,11 +6,10 @@ A compiled FP8 step calls several of fp8state's operators per GEMM
 ``ADInplaceOrView`` and output aliasing checks (``python benchmarks/profile_step.py`` shows
 them among a compiled step's costliest functions), where an operator defined with
 ``Library.define`` and implemented for ``CompositeExplicitAutograd`` goes straight from the
-dispatcher to its implementation. None of those layers does
-anything for these operators: none is differentiated (an autograd Function around them is),
-none returns an alias of an argument, and their one mutated argument is an ordering token.
-So they are defined here with the low-level API, and their fake implementations registered
-as usual for tracing.
+dispatcher to its implementation. None of those layers does anything for these operators:
+none is differentiated (an autograd Function around them is), none returns an alias of an
+argument, and their one mutated argument is an ordering token. So they are defined here with
+the low-level API, and their fake implementations registered as usual for tracing.
 """
 
 from __future__ import annotations
