@@ -15,7 +15,7 @@ from torch import nn
 
 from fp8state.autocast import FP8Context, fp8_autocast, innermost_context
 from fp8state.errors import ConfigError
-from fp8state.graphs._capture import capture_all, fp8_modules_of
+from fp8state.graphs._capture import capture_all, fp8_modules_of, positional
 from fp8state.graphs._checks import check_callables
 from fp8state.graphs._graphed import GraphedForward
 from fp8state.recipe import DelayedScaling
@@ -38,6 +38,7 @@ def make_graphed_callables(
     fp8_group: ProcessGroup | None = None,
     gemm_backend: str = "auto",
     pool: Any = None,
+    sample_kwargs: dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], ...] | None = None,
 ) -> nn.Module | tuple[nn.Module, ...]:
     """Capture each module's forward and backward, FP8 step included, in CUDA graphs.
 
@@ -55,7 +56,8 @@ def make_graphed_callables(
     metadata is put back as it was before them.
 
     Args:
-        modules: A module, or a tuple of modules, called with positional tensors.
+        modules: A module, or a tuple of modules, called with tensors (positional, and
+            keyword ones where ``sample_kwargs`` has them).
         sample_args: The forward's arguments (a tuple of tensors), or one such tuple per
             module. Their shapes, dtypes and ``requires_grad`` are the graph's for good.
         num_warmup_iters: Eager steps before capture (kernels compiled, workspaces made).
@@ -67,6 +69,8 @@ def make_graphed_callables(
         gemm_backend: As ``fp8_autocast(gemm_backend=...)``.
         pool: A memory pool handle (``torch.cuda.graph_pool_handle()``) to share with other
             graphs; a new pool by default.
+        sample_kwargs: The forward's keyword tensor arguments (a dict), or one such dict per
+            module; each call then passes the same names, with tensors as the sample's.
 
     Returns:
         The modules themselves (a tuple if a tuple was given), their forwards replaced.
@@ -76,9 +80,9 @@ def make_graphed_callables(
             sample arguments that are not CUDA tensors; FP8 settings ``fp8_autocast``
             refuses; called inside an ``fp8_autocast`` (its exit would update the scales
             outside the graph). Later, at a call in the captured mode: arguments of another
-            shape, dtype, device or ``requires_grad``, keyword arguments, parameters or FP8
-            buffers replaced by other tensors, or an enclosing ``fp8_autocast`` with other
-            settings than the graph's.
+            shape, dtype, device or ``requires_grad``, keyword names other than those of
+            ``sample_kwargs``, parameters or FP8 buffers replaced by other tensors, or an
+            enclosing ``fp8_autocast`` with other settings than the graph's.
 
     Example:
         >>> import torch, fp8state
@@ -94,6 +98,11 @@ def make_graphed_callables(
     just_one = not isinstance(modules, tuple)
     callables: tuple[Any, ...] = (modules,) if just_one else modules  # type: ignore[assignment]
     per_module = (sample_args,) if just_one else sample_args
+    kwargs_per: Any = sample_kwargs  # one dict per module, checked below
+    if sample_kwargs is None:
+        kwargs_per = ({},) * len(callables)
+    elif just_one:
+        kwargs_per = (sample_kwargs,)
     fp8_autocast(
         enabled=fp8_enabled,
         calibrating=fp8_calibrating,
@@ -101,7 +110,7 @@ def make_graphed_callables(
         fp8_group=fp8_group,
         gemm_backend=gemm_backend,
     )  # checks the settings, enters nothing
-    check_callables(callables, per_module)
+    check_callables(callables, per_module, kwargs_per)
     if innermost_context() is not None:
         raise ConfigError(
             "make_graphed_callables",
@@ -116,17 +125,18 @@ def make_graphed_callables(
         group=fp8_group,
         gemm_backend=gemm_backend,
     )
-    forwards = [m.forward for m in callables]
+    originals = [m.forward for m in callables]
+    names = [tuple(kwargs) for kwargs in kwargs_per]
     captured, tables = capture_all(
-        forwards,
+        [positional(f, len(a), n) for f, a, n in zip(originals, per_module, names, strict=True)],
         callables,
-        per_module,  # type: ignore[arg-type]
+        [(*a, *k.values()) for a, k in zip(per_module, kwargs_per, strict=True)],
         ctx,
         num_warmup_iters,
         allow_unused_input,
         pool if pool is not None else torch.cuda.graph_pool_handle(),
     )
-    for i, (module, forward, cap) in enumerate(zip(callables, forwards, captured, strict=True)):
-        graphed = GraphedForward(i, module, forward, cap, ctx, fp8_modules_of(module), tables)
-        module.forward = graphed
+    for i, (module, original, cap) in enumerate(zip(callables, originals, captured, strict=True)):
+        fp8 = fp8_modules_of(module)
+        module.forward = GraphedForward(i, module, original, cap, ctx, fp8, tables, names[i])
     return callables[0] if just_one else callables

@@ -24,7 +24,7 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.schema import DirectionState
 from fp8state.slots import DIRECTIONS, Direction
 
-__all__ = ["Captured", "capture_all", "fp8_modules_of", "run_under"]
+__all__ = ["Captured", "capture_all", "fp8_modules_of", "positional", "run_under"]
 
 
 @dataclass
@@ -44,6 +44,22 @@ class Captured:
 def fp8_modules_of(module: nn.Module) -> list[FP8StateMixin]:
     """The FP8 modules in ``module`` (itself included), in ``modules()`` order."""
     return [m for m in module.modules() if isinstance(m, FP8StateMixin)]
+
+
+def positional(forward: Any, n_args: int, kwarg_names: Sequence[str]) -> Any:
+    """``forward`` called with its keyword tensors after its positional ones, in one tuple.
+
+    Capture and replay handle a module's inputs as one flat tuple of static tensors; this
+    hands the last ``len(kwarg_names)`` of them back to ``forward`` by name.
+    """
+    if not kwarg_names:
+        return forward
+
+    def call(*flat: torch.Tensor) -> Any:
+        named = dict(zip(kwarg_names, flat[n_args:], strict=True))
+        return forward(*flat[:n_args], **named)
+
+    return call
 
 
 def run_under(ctx: autocast.FP8Context, call: Any) -> Any:

@@ -26,19 +26,29 @@ __all__ = ["ArgSpec", "check_callables", "check_args", "FP8Buffers", "check_cont
 _WHERE = "make_graphed_callables"
 
 
-def check_callables(callables: Sequence[object], sample_args: Sequence[object]) -> None:
+def check_callables(
+    callables: Sequence[object],
+    sample_args: Sequence[object],
+    sample_kwargs: Sequence[object] | None = None,
+) -> None:
     """Modules only (their parameters and FP8 modules must be found), tensors only, on CUDA.
 
-    The checks of the arguments' kinds come first, so they hold on machines without CUDA too.
+    ``sample_kwargs``: one dict of keyword tensors per callable (None: none at all). The
+    checks of the arguments' kinds come first, so they hold on machines without CUDA too.
     """
-    if len(callables) != len(sample_args):
-        raise ConfigError(
-            f"{_WHERE}(sample_args=...)",
-            f"{len(sample_args)} argument tuples for {len(callables)} callables",
-            "one tuple of sample arguments per callable",
-            "Pass sample_args as a tuple of tuples, in the order of the callables.",
-        )
-    for i, (module, args) in enumerate(zip(callables, sample_args, strict=True)):
+    kwargs_per = [{}] * len(callables) if sample_kwargs is None else sample_kwargs
+    for name, given in (("sample_args", sample_args), ("sample_kwargs", kwargs_per)):
+        if len(callables) != len(given):
+            raise ConfigError(
+                f"{_WHERE}({name}=...)",
+                f"{len(given)} argument {'tuples' if name == 'sample_args' else 'dicts'} for "
+                f"{len(callables)} callables",
+                "one per callable",
+                f"Pass {name} as a tuple with one entry per callable, in their order.",
+            )
+    for i, (module, args, kwargs) in enumerate(
+        zip(callables, sample_args, kwargs_per, strict=True)
+    ):
         where = f"{_WHERE}: callable {i}"
         if not isinstance(module, nn.Module):
             raise ConfigError(
@@ -61,6 +71,16 @@ def check_callables(callables: Sequence[object], sample_args: Sequence[object]) 
                 "a tuple of tensors",
                 "Pass the forward's positional tensor arguments as a tuple.",
             )
+        if not isinstance(kwargs, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in kwargs.items()
+        ):
+            raise ConfigError(
+                f"{where}, sample_kwargs",
+                _kinds(kwargs),
+                "a dict of keyword names to tensors",
+                "Pass the forward's keyword tensor arguments as a dict (non-tensor settings: "
+                "fix them in the module before capture).",
+            )
     if not torch.cuda.is_available():
         raise ConfigError(
             _WHERE,
@@ -68,15 +88,25 @@ def check_callables(callables: Sequence[object], sample_args: Sequence[object]) 
             "a CUDA device: a graph records CUDA kernels",
             "Run the callables eagerly on this machine (they compute the same).",
         )
-    for i, args in enumerate(sample_args):
-        for j, arg in enumerate(cast(tuple[torch.Tensor, ...], args)):
+    for i, (args, kwargs) in enumerate(zip(sample_args, kwargs_per, strict=True)):
+        named = {f"sample_args[{j}]": a for j, a in enumerate(cast(tuple[torch.Tensor, ...], args))}
+        for key, value in cast(dict[str, torch.Tensor], kwargs).items():
+            named[f"sample_kwargs[{key!r}]"] = value
+        for name, arg in named.items():
             if arg.device.type != "cuda":
                 raise ConfigError(
-                    f"{_WHERE}: callable {i}, sample_args[{j}]",
+                    f"{_WHERE}: callable {i}, {name}",
                     f"a tensor on {arg.device}",
                     "a tensor on the CUDA device the module runs on",
                     "Move the sample arguments to the module's device.",
                 )
+
+
+def _kinds(kwargs: object) -> str:
+    """``{'gate': Tensor, ...}`` for a dict, the type's name otherwise (no values printed)."""
+    if not isinstance(kwargs, dict):
+        return type(kwargs).__name__
+    return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in kwargs.items()) + "}"
 
 
 @dataclass(frozen=True)
@@ -91,8 +121,13 @@ class ArgSpec:
         return cls(tuple((a.shape, a.dtype, a.device, a.requires_grad) for a in args))
 
 
-def check_args(spec: ArgSpec, args: Sequence[object], index: int) -> None:
-    """Raise unless ``args`` match ``spec``: count, shape, dtype, device, requires_grad."""
+def check_args(
+    spec: ArgSpec, args: Sequence[object], index: int, names: Sequence[str] = ()
+) -> None:
+    """Raise unless ``args`` match ``spec``: count, shape, dtype, device, requires_grad.
+
+    The last ``len(names)`` of ``args`` were passed by keyword, with these ``names``.
+    """
     if len(args) != len(spec.shapes):
         raise ConfigError(
             f"graphed callable {index}",
@@ -108,8 +143,10 @@ def check_args(spec: ArgSpec, args: Sequence[object], index: int) -> None:
             if got_spec == want:
                 continue
             got = _describe(got_spec)
+        positional = len(args) - len(names)
+        which = f"argument {j}" if j < positional else f"argument {names[j - positional]!r}"
         raise ConfigError(
-            f"graphed callable {index}, argument {j}",
+            f"graphed callable {index}, {which}",
             got,
             f"{_describe(want)} (the graph's; a replay cannot change shapes)",
             "Capture a graph per shape (one make_graphed_callables call each), or pad.",

@@ -61,6 +61,7 @@ class GraphedForward:
         ctx: autocast.FP8Context,
         fp8_modules: list[FP8StateMixin],
         keep_alive: list[Any],
+        kwarg_names: tuple[str, ...] = (),
     ) -> None:
         self.index = index
         self.module = module
@@ -72,6 +73,8 @@ class GraphedForward:
         self.fp8_modules = fp8_modules
         self.buffers = FP8Buffers(module, fp8_modules)
         self.keep_alive = keep_alive  # pointer tables the graphs read
+        # The last static inputs are these keyword arguments' tensors, in this order.
+        self.kwarg_names = kwarg_names
 
     def touch(self) -> None:
         """Tell each FP8 module its metadata changed: a replay runs no Python code of theirs."""
@@ -83,15 +86,17 @@ class GraphedForward:
             if autocast.innermost_context() is not None:  # the caller chose the FP8 settings
                 return self.original(*args, **kwargs)
             return run_under(self.ctx, lambda: self.original(*args, **kwargs))
-        if kwargs:
+        if kwargs.keys() != set(self.kwarg_names):
             raise ConfigError(
                 f"graphed callable {self.index}",
                 f"keyword arguments {sorted(kwargs)}",
-                "positional tensors only, as in its sample_args",
-                "Pass the arguments positionally, in the order they were captured.",
+                f"those of its sample_kwargs: {sorted(self.kwarg_names)}",
+                "Pass the arguments it was captured with: positional ones in order, keyword "
+                "ones by name.",
             )
-        check_args(self.spec, args, self.index)
+        flat = (*args, *(kwargs[name] for name in self.kwarg_names))
+        check_args(self.spec, flat, self.index, self.kwarg_names)
         check_context(self.ctx, self.index)
         self.buffers.check(self.index)
-        out = _Replay.apply(self, *args, *self.captured.params)
+        out = _Replay.apply(self, *flat, *self.captured.params)
         return pytree.tree_unflatten(list(out), self.captured.out_spec)

@@ -1,8 +1,8 @@
 """Small FP8StateMixin modules and models, steps that fill their metadata, a save/load.
 
 ``TwoGemm`` owns FP8 metadata for two GEMMs (6 forward, 4 backward slots) without quantizing;
-``Bare`` is a mixin module with nothing of its own; ``run_steps`` gives every mixin module of a
-model a non-trivial history.
+``Bare`` is a mixin module with nothing of its own; ``Gated`` takes a keyword tensor;
+``run_steps`` gives every mixin module of a model a non-trivial history.
 """
 
 from __future__ import annotations
@@ -21,6 +21,17 @@ from fp8state.slots import FwdSlot, fwd_slot
 FP8_BUFFERS = tuple(
     f"fp8_{d}_{f}" for d in ("fwd", "bwd") for f in ("amax_history", "scale", "scale_inv")
 )
+
+
+class Gated(nn.Module):
+    """An FP8 ``Linear`` whose output a keyword tensor, ``gate``, scales."""
+
+    def __init__(self, hidden: int, **kwargs: Any) -> None:
+        super().__init__()
+        self.linear = fp8state.Linear(hidden, hidden, **kwargs)
+
+    def forward(self, x: torch.Tensor, *, gate: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * gate
 
 
 class TwoGemm(fp8state.FP8StateMixin):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _helpers.models import Gated
 from torch import nn
 
 import fp8state
@@ -55,14 +56,17 @@ def _input(step: int) -> torch.Tensor:
     return x.to(torch.bfloat16).requires_grad_()
 
 
-def _step(model: nn.Module, x: torch.Tensor, eager: bool) -> dict[str, torch.Tensor]:
+def _step(
+    model: nn.Module, x: torch.Tensor, eager: bool, **kwargs: torch.Tensor
+) -> dict[str, torch.Tensor]:
     if eager:
         with fp8state.fp8_autocast():
-            y = model(x)
+            y = model(x, **kwargs)
     else:
-        y = model(x)
+        y = model(x, **kwargs)
     y.float().pow(2).mean().backward()
     seen = {"y": y.detach().clone(), "x.grad": x.grad.clone()}
+    seen.update({f"{name}.grad": t.grad.clone() for name, t in kwargs.items()})
     with torch.no_grad():
         for name, p in model.named_parameters():
             seen[f"{name}.grad"] = p.grad.clone()
@@ -120,6 +124,21 @@ def test_a_chain_of_modules_shares_a_pool_and_equals_eager() -> None:
     fp8state.make_graphed_callables(tuple(graphed), tuple(samples))
     for step in range(STEPS):
         _assert_equal(_step(graphed, _input(step), False), _step(eager, _input(step), True), step)
+
+
+def test_keyword_tensors_are_captured_and_replayed() -> None:
+    graphed, eager = _pair(lambda: Gated(H, **KW))
+    fp8state.make_graphed_callables(graphed, (_input(100),), sample_kwargs={"gate": _input(99)})
+    _assert_state_dicts_equal(graphed, eager)
+    for step in range(STEPS):
+        got = _step(graphed, _input(step), False, gate=_input(step + 50))
+        want = _step(eager, _input(step), True, gate=_input(step + 50))
+        assert "gate.grad" in got  # the keyword tensor's gradient comes back too
+        _assert_equal(got, want, step)
+    with pytest.raises(ConfigError, match="keyword arguments"):
+        graphed(_input(0))  # the captured keyword missing
+    with pytest.raises(ConfigError, match="argument 'gate'.*shape"):
+        graphed(_input(0), gate=_input(0)[:1])
 
 
 def test_a_checkpoint_saved_and_loaded_between_replays() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers.models import Gated
 
 import fp8state
 from fp8state.autocast import FP8Context
@@ -45,6 +46,18 @@ def test_only_modules_with_tensor_arguments_and_no_hooks_are_taken() -> None:
         check_callables((hooked,), ((x,),))
 
 
+def test_sample_kwargs_are_dicts_of_tensors_one_per_callable() -> None:
+    layer = fp8state.Linear(16, 16)
+    x = torch.randn(4, 16)
+    for bad in ([x], {"gate": 2.0}, {1: x}):
+        with pytest.raises(ConfigError, match="sample_kwargs.*a dict of keyword names"):
+            check_callables((layer,), ((x,),), (bad,))
+    with pytest.raises(ConfigError, match="2 argument dicts for 1 callables"):
+        check_callables((layer,), ((x,),), ({}, {}))
+    with pytest.raises(ConfigError, match="sample_kwargs.*a dict"):  # a tuple for one module
+        fp8state.make_graphed_callables(layer, (x,), sample_kwargs=({"gate": x},))
+
+
 @CPU_ONLY
 def test_without_cuda_it_says_so_and_captures_nothing() -> None:
     layer = fp8state.Linear(16, 16)
@@ -71,6 +84,8 @@ def test_sample_arguments_must_be_on_cuda(monkeypatch: pytest.MonkeyPatch) -> No
     layer = fp8state.Linear(16, 16)
     with pytest.raises(ConfigError, match=r"sample_args\[0\].*a tensor on cpu"):
         fp8state.make_graphed_callables(layer, (torch.randn(4, 16),))
+    with pytest.raises(ConfigError, match=r"sample_kwargs\['gate'\].*a tensor on cpu"):
+        fp8state.make_graphed_callables(layer, (), sample_kwargs={"gate": torch.randn(4, 16)})
 
 
 def test_replay_arguments_must_match_the_capture() -> None:
@@ -126,10 +141,15 @@ def test_an_enclosing_autocast_must_ask_for_the_graphs_settings() -> None:
         check_context(captured, 0)
 
 
-def _graphed_forward(layer: fp8state.Linear, x: torch.Tensor, **ctx) -> GraphedForward:
+def _graphed_forward(
+    layer: torch.nn.Module, x: torch.Tensor, kwargs: dict | None = None, **ctx
+) -> GraphedForward:
     # No graph is replayed on these paths, so none is needed (a CPU cannot capture one).
-    captured = Captured(None, None, (x,), tuple(layer.parameters()), (), None, (), ())  # type: ignore[arg-type]
-    return GraphedForward(0, layer, layer.forward, captured, _ctx(**ctx), [layer], [])
+    kwargs = kwargs or {}
+    inputs = (x, *kwargs.values())
+    captured = Captured(None, None, inputs, tuple(layer.parameters()), (), None, (), ())  # type: ignore[arg-type]
+    fp8 = [m for m in layer.modules() if isinstance(m, fp8state.FP8StateMixin)]
+    return GraphedForward(0, layer, layer.forward, captured, _ctx(**ctx), fp8, [], tuple(kwargs))
 
 
 def test_outside_the_captured_mode_the_forward_runs_eagerly_under_the_graphs_settings() -> None:
@@ -152,6 +172,25 @@ def test_outside_the_captured_mode_the_forward_runs_eagerly_under_the_graphs_set
     with fp8state.fp8_autocast(gemm_backend="emulated"):
         assert torch.equal(y, twin(x))
     assert y.requires_grad
+
+
+def test_keyword_arguments_are_checked_by_name_and_reach_the_eager_forward() -> None:
+    block, twin = Gated(16), Gated(16)
+    twin.load_state_dict(block.state_dict())
+    for b in (block, twin):
+        b.linear.fp8_min_gemm_macs = 0
+    x, gate = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    graphed = _graphed_forward(block, x, {"gate": gate}, gemm_backend="emulated")
+    with pytest.raises(ConfigError, match=r"keyword arguments \[\].*\['gate'\]"):
+        graphed(x)
+    with pytest.raises(ConfigError, match=r"keyword arguments \['bias'\]"):
+        graphed(x, bias=gate)
+    with pytest.raises(ConfigError, match=r"argument 'gate'.*shape \(1, 16\)"):
+        graphed(x, gate=gate[:1])
+    with torch.no_grad():  # no replay: the module's own forward, keyword included
+        y = graphed(x, gate=gate)
+        with fp8state.fp8_autocast(gemm_backend="emulated"):
+            assert torch.equal(y, twin(x, gate=gate))
 
 
 def test_in_the_captured_mode_wrong_calls_raise_before_any_replay() -> None:
