@@ -22,7 +22,12 @@ the same process (> 1: FP8 is faster):
   ``floor_eager_1x2048`` / ``floor_eager_4x2048``: the same model with every FP8 layer the
   least any eager FP8 GEMM can launch (``host_floor.FloorLinear``: casts without amaxes,
   LayerNorm and GELU fused into the casts, no bookkeeping): an upper bound on what any
-  eager FP8 implementation of this model reaches (CUDA only).
+  eager FP8 implementation of this model reaches (CUDA only). ``floor_graphed_1x2048``: that
+  model captured in one CUDA graph against bf16's graph: with the host out of the step, what
+  FP8 GEMMs and the least casting can save on the GPU, an upper bound on the graphed ratio
+  of any implementation of these layers. (No such floor is measured compiled: Inductor
+  drops or folds the floor's work that depends on no input, so its figure would bound
+  nothing useful.)
 - ``sweep_context_ceiling``: per sweep shape, ``nn.Linear`` stepped inside ``fp8_autocast``
   against ``nn.Linear`` alone: the context's own host cost, which every fp8state step pays.
   Where a module falls back to high precision (``nn.Linear``'s very kernels), its step can
@@ -196,16 +201,22 @@ def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dic
 
 
 def _other_modes(models, steps, x, grad, device, args, result) -> dict:
-    """Graphed and compiled steps of one sequence; returns the compile counts."""
+    """Graphed and compiled steps of one sequence, and the graphed floor; returns counts."""
     tag = f"1x{args.tokens}"
     if device.type == "cuda":
         # Captured by hand: the modules say so, for the graphed FP8 threshold.
         fp8_modules = [m for m in models[True].modules() if isinstance(m, fp8state.FP8StateMixin)]
         for m in fp8_modules:
             m.fp8_graphed = True
+        bf16_graphed = _guarded(lambda: graphed(steps[False]))
         result[f"graphed_{tag}"] = _guarded(
-            lambda: _pair(graphed(steps[True]), graphed(steps[False]), device, args)
+            lambda: _pair(graphed(steps[True]), bf16_graphed, device, args)
         )
+        floor = build_model(False, device, args.tokens, **args.model)
+        result[f"floor_graphed_{tag}"] = _guarded(
+            lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
+        )
+        del floor
         for m in fp8_modules:  # compiled steps queue their launches as eager ones do
             m.fp8_graphed = False
         result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))

@@ -62,6 +62,31 @@ _THREAD = context_stack.THREAD
 # Recipes are frozen: one default instance serves every context (building one per step costs
 # host time in a loop that may be launch-bound).
 _DEFAULT_RECIPE = DelayedScaling()
+# Contexts are frozen too, and a loop enters an equal one every step: building the dataclass
+# cost as much host time as entering and leaving it. Keyed by the recipe's identity (the cache
+# holds it, so its id is not reused while cached); contexts with a process group are built
+# each time, so that no group outlives its destruction here.
+_BUILT: dict[tuple[bool, bool, int, str], FP8Context] = {}
+_BUILT_MAX = 64
+
+
+def _context(
+    enabled: bool,
+    calibrating: bool,
+    recipe: DelayedScaling,
+    group: ProcessGroup | None,
+    gemm_backend: str,
+) -> FP8Context:
+    """The context for these settings, shared with earlier equal ones where it can be."""
+    if group is not None or torch.compiler.is_compiling():  # traced: no global state
+        return FP8Context(enabled, calibrating, recipe, group, gemm_backend)
+    key = (enabled, calibrating, id(recipe), gemm_backend)
+    ctx = _BUILT.get(key)
+    if ctx is None or ctx.recipe is not recipe:
+        if len(_BUILT) >= _BUILT_MAX:  # a loop building a recipe per step
+            _BUILT.clear()
+        ctx = _BUILT[key] = FP8Context(enabled, calibrating, recipe, None, gemm_backend)
+    return ctx
 
 
 class _BackwardRegistry:
@@ -203,6 +228,8 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
         True
     """
 
+    __slots__ = ("_ctx", "_entered")
+
     def __init__(
         self,
         enabled: bool = True,
@@ -226,12 +253,8 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 f"one of {BACKENDS}",
                 "Pass gemm_backend='auto'.",
             )
-        self._ctx = FP8Context(
-            enabled=bool(enabled),
-            calibrating=bool(calibrating),
-            recipe=fp8_recipe or _DEFAULT_RECIPE,
-            group=fp8_group,
-            gemm_backend=gemm_backend,
+        self._ctx = _context(
+            bool(enabled), bool(calibrating), fp8_recipe or _DEFAULT_RECIPE, fp8_group, gemm_backend
         )
         self._entered = False
 

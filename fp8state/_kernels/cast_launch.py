@@ -40,12 +40,22 @@ def default_config(
     rows and reduced every tile across warps). GELU's derivative with sums takes 128-column
     tiles: 32 programs of 16 rows each (3.2 TB/s), or 8 of 32 rows with the transpose (2.8
     TB/s, against 2.0 for 16 of 16).
+
+    Tensors of 2048 rows (a 2048-token step, the 16-layer model's; ``--cast-shape 2048xN``):
+    with the transpose, 64-row blocks beat 32-row ones though only 256 programs run (7.4
+    against 9.3 us at 2048x2048, 28.3 against 31.0 at 2048x8192); with column sums and the
+    transpose, eight programs per column tile beat more, shorter walks (10.5 against 13.6
+    us at 2048x2048, 21.4 against 32.2 at 2048x6144, 32.1 against more than 34.8 at
+    4096x4096): each program walks at least 16 row blocks, down to eight programs, unless
+    the tensor is narrow.
     """
     if column_sums:
         if op == "dgelu":
             block_m, block_n, warps, split = (32, 128, 8, 8) if transpose else (16, 128, 8, 32)
         elif transpose:
             block_m, block_n, warps, split = 32, 64, 4, 32
+            # Shorter tensors: each program walks at least 16 row blocks.
+            split = min(split, max(8, triton.cdiv(rows, 16 * block_m)))
         else:
             block_m, block_n, warps, split = 64, 64, 8, 8
         # Narrow tensors: more programs per tile, so that there are some 512 in all.
@@ -57,7 +67,7 @@ def default_config(
         block_m, block_n, warps, split = 32, 64, 8, 8
     else:
         block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
-    while block_m > 8 and triton.cdiv(rows, block_m) * split < 512:
+    while block_m > 8 and triton.cdiv(rows, block_m) * split < 256:
         block_m //= 2
     return block_m, block_n, warps, max(1, min(split, triton.cdiv(cols, block_n)))
 
@@ -159,7 +169,8 @@ def cast_slot(
 
 
 # One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
-# one after another, and each launch leaves its pair zeroed for the next.
+# one after another, and each launch leaves its pair zeroed for the next. A launch being
+# captured into a CUDA graph gets a pair of its own (see _scratch).
 _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(cast_kernel)
 # libdevice's fast division is NVIDIA's (ROCm builds of torch also report "cuda" devices).
@@ -176,6 +187,10 @@ def _stream_key(device: torch.device) -> tuple[int, int]:
 
 
 def _scratch(device: torch.device) -> torch.Tensor:
+    if torch.cuda.is_current_stream_capturing():
+        # A graph replays on whatever stream it is given, maybe beside eager launches that
+        # share this stream's pair: its own pair, zeroed by the graph at each replay.
+        return torch.zeros(2, dtype=torch.int32, device=device)
     key = _stream_key(device)
     pair = _SCRATCH.get(key)
     if pair is None:

@@ -153,9 +153,9 @@ def cast_slot(
         and scale.is_contiguous()
         and scale_inv.is_contiguous()
     )
-    # The kernel shifts in-launch, through a scratch pair per stream that a CUDA graph would
-    # bake in: captured steps (and the reference path) shift with plain tensor ops instead.
-    if new_step and (not kernel or torch.cuda.is_current_stream_capturing()):
+    # The kernel shifts in-launch (a captured launch too, with a scratch pair of its own);
+    # the reference path shifts with plain tensor ops first.
+    if new_step and not kernel:
         history.copy_(shift_history(history))
         new_step = False
     if kernel:

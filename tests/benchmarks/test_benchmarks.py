@@ -135,6 +135,30 @@ def test_profile_step_benchmark_quick_run() -> None:
     assert stdout.count("Ordered by: internal time") == 2  # one profile per FP8 mode
 
 
+def test_fallback_probe_host_mode_runs_on_cpu() -> None:
+    stdout = _script(
+        "fallback_probe.py",
+        "--host",
+        "--device",
+        "cpu",
+        "--rounds",
+        "1",
+        "--calls",
+        "20",
+        timeout=300,
+    )
+    rows = dict(line.rsplit(": ", 1) for line in stdout.strip().splitlines())
+    assert set(rows) == {
+        "fp8_autocast enter+exit",
+        "nn.Linear forward in fp8_autocast",
+        "fp8state.Linear fallback forward in fp8_autocast",
+        "nn.Linear step",
+        "nn.Linear step in fp8_autocast",
+        "fp8state.Linear fallback step",
+    }
+    assert all(float(us.removesuffix(" us")) > 0 for us in rows.values())
+
+
 def test_dcp_metadata_read_benchmark_runs() -> None:
     stdout = _script("dcp_metadata_read.py", "--entries", "20", "--rounds", "1", timeout=300)
     result = json.loads(stdout)

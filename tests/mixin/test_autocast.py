@@ -50,6 +50,40 @@ def test_same_instance_cannot_be_entered_twice() -> None:
         assert fp8state.is_fp8_enabled()
 
 
+def test_each_context_runs_with_its_own_recipe_when_recipes_come_and_go() -> None:
+    # A loop that builds a recipe per step: every step must scale with its own recipe's
+    # margin, also once recipes are freed and new ones take their place (and their ids).
+    layer = fp8state.Linear(H, H)
+    x = torch.randn(4, H)
+    for step in range(3 * autocast._BUILT_MAX):
+        margin = step % 3
+        recipe = DelayedScaling(margin=margin, amax_history_len=1)
+        with fp8state.fp8_autocast(fp8_recipe=recipe):
+            assert autocast.innermost_context().recipe is recipe
+            layer(x)
+        amax = layer.fp8_meta("fwd").amax_history[0, 0]
+        expected = torch.tensor(448.0) / amax / 2**margin
+        assert torch.equal(layer.fp8_meta("fwd").scale[0], expected)
+        del recipe
+
+
+def test_contexts_with_a_process_group_are_not_kept(tmp_path) -> None:
+    # A context naming a group must not keep that group alive after the step.
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        kept_before = len(autocast._BUILT)
+        with fp8state.fp8_autocast(fp8_group=group):
+            assert autocast.innermost_context().group is group
+        assert len(autocast._BUILT) == kept_before
+        assert all(ctx.group is None for ctx in autocast._BUILT.values())
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"fp8_recipe": "hybrid"}, {"gemm_backend": "cublas"}], ids=["recipe", "backend"]
 )
