@@ -209,14 +209,17 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
         for m in fp8_modules:
             m.fp8_graphed = True
         bf16_graphed = _guarded(lambda: graphed(steps[False]))
-        result[f"graphed_{tag}"] = _guarded(
-            lambda: _pair(graphed(steps[True]), bf16_graphed, device, args)
-        )
-        floor = build_model(False, device, args.tokens, **args.model)
-        result[f"floor_graphed_{tag}"] = _guarded(
-            lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
-        )
-        del floor
+        if isinstance(bf16_graphed, str):  # bf16's capture failed: both ratios say why
+            result[f"graphed_{tag}"] = result[f"floor_graphed_{tag}"] = bf16_graphed
+        else:
+            result[f"graphed_{tag}"] = _guarded(
+                lambda: _pair(graphed(steps[True]), bf16_graphed, device, args)
+            )
+            floor = build_model(False, device, args.tokens, **args.model)
+            result[f"floor_graphed_{tag}"] = _guarded(
+                lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
+            )
+            del floor
         for m in fp8_modules:  # compiled steps queue their launches as eager ones do
             m.fp8_graphed = False
         result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))

@@ -42,15 +42,17 @@ def default_config(
     TB/s, against 2.0 for 16 of 16).
 
     Tensors of 2048 rows (a 2048-token step, the 16-layer model's; ``--cast-shape 2048xN``):
-    with the transpose, 64-row blocks beat 32-row ones though only 256 programs run (7.4
-    against 9.3 us at 2048x2048, 28.3 against 31.0 at 2048x8192); with column sums and the
-    transpose, eight programs per column tile beat more, shorter walks (10.5 against 13.6
-    us at 2048x2048, 21.4 against 32.2 at 2048x6144, 32.1 against more than 34.8 at
-    4096x4096; GELU's derivative without the transpose, 36.6 against 50.8 at 2048x8192):
-    each program walks at least 16 row blocks, down to eight programs, unless the tensor is
-    narrow. Without the transpose, two programs per row block where there are fewer than 512
-    blocks (2048x8192: 18.1 against 25.2 us, GELU 24.5 against 31.2; at 2048x2048 6.1
-    against 6.2; at 8192x2048, 1024 blocks, one program stays faster: 16.3 against 17.2).
+    with the transpose, 64-row blocks beat 32-row ones though only 256 programs run (7.3
+    against 9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192). Column sums: at most one
+    program per 16 row blocks of a column tile, and no fewer than eight, before the
+    narrow-tensor rule (with the transpose, 21.2 against 32.2 us at 2048x6144 and 32.1
+    against more than 34.8 at 4096x4096 with eight programs instead of 32 and 16; 10.7
+    against 13.6 at 2048x2048, where the narrow rule makes it sixteen; at 8192x4096, 16, where
+    eight and 32 measured alike, 58.3 and 58.5; GELU's derivative without the transpose,
+    36.7 against 50.8 at 2048x8192). Without the transpose, two programs per row block where
+    there are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against
+    30.7; 2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3
+    against 17.2).
     """
     if column_sums:
         if op == "dgelu":
@@ -59,14 +61,16 @@ def default_config(
             block_m, block_n, warps, split = 32, 64, 4, 32
         else:
             block_m, block_n, warps, split = 64, 64, 8, 8
-        # Shorter tensors: each program walks at least 16 row blocks (down to eight).
+        # Shorter tensors: at most one program per 16 row blocks of a column tile (but not
+        # fewer than eight), so each walks a longer share; the narrow rule may raise it again.
         split = min(split, max(8, triton.cdiv(rows, 16 * block_m)))
         # Narrow tensors: more programs per tile, so that there are some 512 in all.
         split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
         return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
     if not transpose:
         # Fewer than 512 row blocks: two programs share each row's columns.
-        block_m, block_n, warps, split = 8, 256, 8, 1 if triton.cdiv(rows, 8) >= 512 else 2
+        block_m, block_n, warps = 8, 256, 8
+        split = 1 if triton.cdiv(rows, block_m) >= 512 else 2
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
     else:

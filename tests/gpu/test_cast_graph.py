@@ -3,8 +3,9 @@
 CUDA + Triton only. An eager launch shifts the history inside the kernel through a scratch
 pair per stream, and finishes column sums through per-stream partial rows and tile counters;
 a captured launch must not bake those shared buffers in (another launch would reuse them
-between replays), so it shifts with tensor ops and takes buffers of its own
-(fp8state/_runtime/slot_cast.py, fp8state/_kernels/cast_launch.py). Each replay here runs on new
+between replays), so it takes a scratch pair and buffers of its own, allocated in the
+graph's pool (fp8state/_kernels/cast_launch.py), and shifts in the kernel as eager launches
+do. Each replay here runs on new
 input values, interleaved with eager launches on the same stream, and must match an eager launch
 on a copy of the history bit for bit.
 """

@@ -67,6 +67,10 @@ def test_each_context_runs_with_its_own_recipe_when_recipes_come_and_go() -> Non
         del recipe
 
 
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or torch.distributed.is_initialized(),
+    reason="needs torch.distributed, with no process group initialized yet",
+)
 def test_contexts_with_a_process_group_are_not_kept(tmp_path) -> None:
     # A context naming a group must not keep that group alive after the step.
     import torch.distributed as dist
