@@ -19,9 +19,7 @@ from collections.abc import Callable
 import torch
 from host_floor import floor_model_step  # benchmarks/ is on sys.path as a script
 from torch.profiler import ProfilerActivity, profile
-from training_loop import MODEL, build_model, make_step
-
-import fp8state
+from training_loop import MODEL, build_model, make_step, mark_graphed
 
 
 def kernel_times(step: Callable[[], None]) -> dict[str, tuple[int, float]]:
@@ -60,9 +58,7 @@ def main() -> None:
     x.requires_grad_()
     grad = torch.randn_like(x)
     fp8_model = build_model(True, device)
-    for module in fp8_model.modules():
-        if isinstance(module, fp8state.FP8StateMixin):
-            module.fp8_graphed = True  # the graphed threshold: every GEMM in FP8
+    mark_graphed(fp8_model, True)  # the graphed threshold: every GEMM in FP8
     steps = {
         "fp8state (graphed threshold)": make_step(fp8_model, x, grad, True),
         "floor": floor_model_step(build_model(False, device, args.tokens), x, grad),

@@ -128,6 +128,13 @@ def build_model(
     return nn.Sequential(*blocks)
 
 
+def mark_graphed(model: nn.Module, graphed: bool) -> None:
+    """Set ``fp8_graphed`` on every FP8 module of ``model`` (the graphed FP8 threshold)."""
+    for module in model.modules():
+        if isinstance(module, fp8state.FP8StateMixin):
+            module.fp8_graphed = graphed
+
+
 def make_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Callable:
     """One fwd+bwd; gradients accumulate (no optimizer), the same for both models."""
 
@@ -204,10 +211,7 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     """Graphed and compiled steps of one sequence, and the graphed floor; returns counts."""
     tag = f"1x{args.tokens}"
     if device.type == "cuda":
-        # Captured by hand: the modules say so, for the graphed FP8 threshold.
-        fp8_modules = [m for m in models[True].modules() if isinstance(m, fp8state.FP8StateMixin)]
-        for m in fp8_modules:
-            m.fp8_graphed = True
+        mark_graphed(models[True], True)  # captured by hand: the modules say so
         bf16_graphed = _guarded(lambda: graphed(steps[False]))
         if isinstance(bf16_graphed, str):  # bf16's capture failed: both ratios say why
             result[f"graphed_{tag}"] = result[f"floor_graphed_{tag}"] = bf16_graphed
@@ -220,8 +224,7 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
                 lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
             )
             del floor
-        for m in fp8_modules:  # compiled steps queue their launches as eager ones do
-            m.fp8_graphed = False
+        mark_graphed(models[True], False)  # compiled steps queue launches as eager ones do
         result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))
     compiled = {fp8: make_step(torch.compile(models[fp8]), x, grad, fp8) for fp8 in (True, False)}
     counts = _guarded(lambda: compile_counts(compiled[True]))

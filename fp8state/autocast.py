@@ -63,9 +63,10 @@ _THREAD = context_stack.THREAD
 # host time in a loop that may be launch-bound).
 _DEFAULT_RECIPE = DelayedScaling()
 # Contexts are frozen too, and a loop enters an equal one every step: building the dataclass
-# cost as much host time as entering and leaving it. Keyed by the recipe's identity (the cache
-# holds it, so its id is not reused while cached); contexts with a process group are built
-# each time, so that no group outlives its destruction here.
+# cost as much host time as entering and leaving it. Keyed by the recipe's identity: the
+# cached context holds its recipe, so no other recipe can have that id while the entry
+# exists. Contexts with a process group are built each time, so that no group outlives its
+# destruction here.
 _BUILT: dict[tuple[bool, bool, int, str], FP8Context] = {}
 _BUILT_MAX = 64
 
@@ -82,7 +83,7 @@ def _context(
         return FP8Context(enabled, calibrating, recipe, group, gemm_backend)
     key = (enabled, calibrating, id(recipe), gemm_backend)
     ctx = _BUILT.get(key)
-    if ctx is None or ctx.recipe is not recipe:
+    if ctx is None:
         if len(_BUILT) >= _BUILT_MAX:  # a loop building a recipe per step
             _BUILT.clear()
         ctx = _BUILT[key] = FP8Context(enabled, calibrating, recipe, None, gemm_backend)
