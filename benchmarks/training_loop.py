@@ -15,7 +15,9 @@ the same process (> 1: FP8 is faster):
   against the same layers from ``torch.nn``; fwd+bwd of ``eager_1x2048``, ``eager_4x2048``
   tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``),
   ``graphed_layers_1x2048`` (each layer graphed by ``fp8state.make_graphed_callables``,
-  against ``torch.cuda.make_graphed_callables`` for bf16) and
+  against ``torch.cuda.make_graphed_callables`` for bf16), ``graphed_layers_cached_1x2048``
+  (the same with ``fp8_weight_caching``: four micro-batches per optimizer step, the FP8
+  weights cast on the first only) and
   ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
   The whole-step graph is captured by hand, so its FP8 modules are marked ``fp8_graphed``
   (the graphed default threshold), as ``make_graphed_callables`` marks its own.
@@ -44,6 +46,7 @@ the same process (> 1: FP8 is faster):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 import traceback
@@ -62,6 +65,7 @@ SWEEP = [(m, k, k) for m in (2048, 4096, 8192) for k in (1024, 2048, 4096, 8192)
 MODEL = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 16}
 HOST_SHAPE = (4096, 2048, 2048)
 COMPILED_STEPS = 20
+MICROBATCHES = 4  # per optimizer step, where FP8 weights are cached across micro-batches
 
 
 class Block(nn.Module):
@@ -212,30 +216,39 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     tag = f"1x{args.tokens}"
     if device.type == "cuda":
         mark_graphed(models[True], True)  # captured by hand: the modules say so
-        bf16_graphed = _guarded(lambda: graphed(steps[False]))
+        bf16_graphed = guarded(lambda: graphed(steps[False]))
         if isinstance(bf16_graphed, str):  # bf16's capture failed: both ratios say why
             result[f"graphed_{tag}"] = result[f"floor_graphed_{tag}"] = bf16_graphed
         else:
-            result[f"graphed_{tag}"] = _guarded(
+            result[f"graphed_{tag}"] = guarded(
                 lambda: _pair(graphed(steps[True]), bf16_graphed, device, args)
             )
             floor = build_model(False, device, args.tokens, **args.model)
-            result[f"floor_graphed_{tag}"] = _guarded(
+            result[f"floor_graphed_{tag}"] = guarded(
                 lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
             )
             del floor
         mark_graphed(models[True], False)  # compiled steps queue launches as eager ones do
-        result[f"graphed_layers_{tag}"] = _guarded(lambda: _graphed_layers(x, grad, device, args))
+        result[f"graphed_layers_{tag}"] = guarded(lambda: _graphed_layers(x, grad, device, args))
+        result[f"graphed_layers_cached_{tag}"] = guarded(
+            lambda: _graphed_layers(x, grad, device, args, MICROBATCHES)
+        )
     compiled = {fp8: make_step(torch.compile(models[fp8]), x, grad, fp8) for fp8 in (True, False)}
-    counts = _guarded(lambda: compile_counts(compiled[True]))
-    result[f"compiled_{tag}"] = _guarded(
+    counts = guarded(lambda: compile_counts(compiled[True]))
+    result[f"compiled_{tag}"] = guarded(
         lambda: _pair(compiled[True], compiled[False], device, args)
     )
     return counts if isinstance(counts, dict) else {"compile_error": counts}
 
 
-def _graphed_layers(x: torch.Tensor, grad: torch.Tensor, device: torch.device, args) -> float:
-    """Each layer graphed on its own: fp8state.make_graphed_callables against torch's."""
+def _graphed_layers(
+    x: torch.Tensor, grad: torch.Tensor, device: torch.device, args, microbatches: int = 0
+) -> float:
+    """Each layer graphed on its own: fp8state.make_graphed_callables against torch's.
+
+    ``microbatches``: fp8state's graphs cache FP8 weights (``fp8_weight_caching``) and each
+    call is one micro-batch of that many per optimizer step (only the first casts weights).
+    """
     steps = {}
     for fp8 in (True, False):
         model = build_model(fp8, device, **args.model)
@@ -244,10 +257,36 @@ def _graphed_layers(x: torch.Tensor, grad: torch.Tensor, device: torch.device, a
             samples.append((h.clone().requires_grad_(),))
             with torch.no_grad():
                 h = block(h)
-        make = fp8state.make_graphed_callables if fp8 else torch.cuda.make_graphed_callables
-        make(tuple(model), tuple(samples))
-        steps[fp8] = make_step(model, x, grad, fp8=False)  # the graphs hold their FP8 settings
+        if fp8:
+            caching = microbatches > 0
+            fp8state.make_graphed_callables(
+                tuple(model), tuple(samples), fp8_weight_caching=caching
+            )
+        else:
+            torch.cuda.make_graphed_callables(tuple(model), tuple(samples))
+        # The graphs hold their FP8 settings: no fp8_autocast around the calls.
+        steps[fp8] = (
+            _microbatch_step(model, x, grad, microbatches)
+            if fp8 and microbatches
+            else make_step(model, x, grad, fp8=False)
+        )
     return _pair(steps[True], steps[False], device, args)
+
+
+def _microbatch_step(
+    model: nn.Sequential, x: torch.Tensor, grad: torch.Tensor, per_step: int
+) -> Callable[[], None]:
+    """One fwd+bwd micro-batch per call; the first of every ``per_step`` casts the weights."""
+    calls = itertools.count()
+
+    def step() -> None:
+        first = next(calls) % per_step == 0
+        h = x
+        for block in model:
+            h = block(h, is_first_microbatch=first)
+        h.backward(grad)
+
+    return step
 
 
 def compile_counts(step: Callable[[], None]) -> dict[str, int]:
@@ -285,7 +324,7 @@ def compile_counts(step: Callable[[], None]) -> dict[str, int]:
     }
 
 
-def _guarded(fn: Callable):
+def guarded(fn: Callable):
     try:
         return fn()
     except Exception as exc:  # a mode that fails is a result too

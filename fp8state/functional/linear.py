@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
-from fp8state._runtime import recompute
+from fp8state._runtime import microbatch, recompute
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
@@ -158,6 +158,8 @@ def _cast_weight(
         if transpose and weight_fp8_t is None:  # a reentrant forward ran without gradients
             weight_fp8_t = transpose_fp8(weight_fp8)
         return weight_fp8, weight_fp8_t, scale_inv
+    # A graph being captured for one kind of micro-batch decides for calls that do not.
+    is_first_microbatch = microbatch.first_microbatch(is_first_microbatch)
     cached = module.fp8_weight_cache.get(gemm)
     if is_first_microbatch is False and cached is not None:
         if not transpose or cached[1] is not None:

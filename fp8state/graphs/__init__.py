@@ -39,6 +39,7 @@ def make_graphed_callables(
     gemm_backend: str = "auto",
     pool: Any = None,
     sample_kwargs: dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], ...] | None = None,
+    fp8_weight_caching: bool = False,
 ) -> nn.Module | tuple[nn.Module, ...]:
     """Capture each module's forward and backward, FP8 step included, in CUDA graphs.
 
@@ -71,6 +72,14 @@ def make_graphed_callables(
             graphs; a new pool by default.
         sample_kwargs: The forward's keyword tensor arguments (a dict), or one such dict per
             module; each call then passes the same names, with tensors as the sample's.
+        fp8_weight_caching: As TransformerEngine's: cast the FP8 weights once per optimizer
+            step. Every call in the captured mode then passes ``is_first_microbatch``: True
+            on the first micro-batch after an optimizer step (its graphs cast the weights
+            and keep the FP8 copies), False on the others (their graphs reuse the copies and
+            cast no weight), exactly as the FP8 modules' own ``is_first_microbatch`` does
+            eagerly, whether or not the callable passes it down to them. This captures a
+            second set of graphs, in a memory pool of its own. The modules' FP8 weight
+            caches start empty: a False call that finds none casts, as an eager one does.
 
     Returns:
         The modules themselves (a tuple if a tuple was given), their forwards replaced.
@@ -81,8 +90,10 @@ def make_graphed_callables(
             refuses; called inside an ``fp8_autocast`` (its exit would update the scales
             outside the graph). Later, at a call in the captured mode: arguments of another
             shape, dtype, device or ``requires_grad``, keyword names other than those of
-            ``sample_kwargs``, parameters or FP8 buffers replaced by other tensors, or an
-            enclosing ``fp8_autocast`` with other settings than the graph's.
+            ``sample_kwargs``, parameters or FP8 buffers replaced by other tensors, an
+            enclosing ``fp8_autocast`` with other settings than the graph's, or an
+            ``is_first_microbatch`` that the graphs cannot follow (missing with weight
+            caching, given without it, False where an eager call cached the weights).
 
     Example:
         >>> import torch, fp8state
@@ -135,8 +146,11 @@ def make_graphed_callables(
         num_warmup_iters,
         allow_unused_input,
         pool if pool is not None else torch.cuda.graph_pool_handle(),
+        bool(fp8_weight_caching),
     )
-    for i, (module, original, cap) in enumerate(zip(callables, originals, captured, strict=True)):
+    for i, (module, original, graphs) in enumerate(
+        zip(callables, originals, captured, strict=True)
+    ):
         fp8 = fp8_modules_of(module)
-        module.forward = GraphedForward(i, module, original, cap, ctx, fp8, tables, names[i])
+        module.forward = GraphedForward(i, module, original, graphs, ctx, fp8, tables, names[i])
     return callables[0] if just_one else callables

@@ -5,6 +5,10 @@ backward is one ``torch.autograd.grad`` pass, whose end updates the backward sca
 happen inside the captures, so a replay is a whole FP8 step: casts, amax records, history
 shift, (reduction and) scale update. The warm-up steps that must precede a capture change the
 FP8 metadata; it is put back afterwards, so the first replay starts where the model was.
+
+With FP8 weight caching, each module gets two sets of graphs: the first micro-batch's, which
+casts the weights and keeps the FP8 copies in tensors the graph owns, and the later
+micro-batches', which reads those copies and casts no weight.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fp8state import autocast
-from fp8state._runtime import amax_reduction
+from fp8state._runtime import amax_reduction, microbatch
 from fp8state._runtime.friend import set_plain_attr
 from fp8state.mixin import FP8StateMixin
 from fp8state.schema import DirectionState
 from fp8state.slots import DIRECTIONS, Direction
 
-__all__ = ["Captured", "capture_all", "fp8_modules_of", "positional", "run_under"]
+__all__ = ["Captured", "Graphs", "capture_all", "fp8_modules_of", "positional", "run_under"]
 
 
 @dataclass
@@ -39,6 +43,28 @@ class Captured:
     out_spec: Any
     static_grad_outputs: tuple[torch.Tensor | None, ...]
     static_grad_inputs: tuple[torch.Tensor | None, ...]
+
+
+#: One FP8 module's weight-cache entries (``{gemm: (fp8, fp8 transpose, inverse scale)}``).
+CachedWeights = tuple[tuple[FP8StateMixin, dict[int, Any]], ...]
+
+
+@dataclass
+class Graphs:
+    """A module's graphs: one set, or with FP8 weight caching one per kind of micro-batch.
+
+    Attributes:
+        first: Without caching, every call's graphs; with it, the first micro-batch's (they
+            cast the weights and write the FP8 copies into ``weights``' tensors).
+        later: With caching, the later micro-batches' graphs (they read those copies and cast
+            no weight); None without.
+        weights: With caching, per FP8 module of the callable, the weight-cache entries
+            ``first`` writes and ``later`` reads; empty without.
+    """
+
+    first: Captured
+    later: Captured | None = None
+    weights: CachedWeights = ()
 
 
 def fp8_modules_of(module: nn.Module) -> list[FP8StateMixin]:
@@ -129,30 +155,52 @@ def capture_all(
     warmup: int,
     allow_unused: bool,
     pool: Any,
-) -> tuple[list[Captured], list[Any]]:
+    weight_caching: bool = False,
+) -> tuple[list[Graphs], list[Any]]:
     """Warm up, capture every forward in order and every backward in reverse, restore FP8 state.
 
-    Returns the captures and the pointer tables of the batched scale update that the graphs
+    With ``weight_caching``, all that twice: the first micro-batch's graphs in ``pool``, then
+    the later micro-batches' in a pool of their own (a module may replay either kind after
+    the other's forward, so their temporaries must not share memory).
+
+    Returns the graphs and the pointer tables of the batched scale update that the graphs
     may read (the caller keeps them alive: the cache that made them may drop them later).
     """
     fp8 = [m for module in modules for m in fp8_modules_of(module)]
     saved = _snapshot(fp8)
     params = [tuple(m.parameters()) for m in modules]
+    flags: tuple[bool | None, ...] = (True, False) if weight_caching else (None,)
     # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs' own
     # (fp8state.backends.GRAPHED_MIN_GEMM_MACS), and the warm-up must run what is captured.
     was_graphed = [m.fp8_graphed for m in fp8]
     for m in fp8:
         set_plain_attr(m, "fp8_graphed", True)
+    captured: dict[bool | None, list[Captured]] = {}
     try:
         with amax_reduction.tables_kept() as tables:
-            _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
-            captured = _capture(forwards, sample_args, params, ctx, allow_unused, pool)
+            for flag in flags:
+                with microbatch.assumed(flag):
+                    _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
+            for flag in flags:
+                where = torch.cuda.graph_pool_handle() if flag is False else pool
+                with microbatch.assumed(flag):
+                    captured[flag] = _capture(
+                        forwards, sample_args, params, ctx, allow_unused, where
+                    )
     except BaseException:
         for m, was in zip(fp8, was_graphed, strict=True):
             set_plain_attr(m, "fp8_graphed", was)
         raise
     _put_back(saved)
-    return captured, tables
+    if not weight_caching:
+        return [Graphs(c) for c in captured[None]], tables
+    graphs = [
+        Graphs(first, later, tuple((m, dict(m.fp8_weight_cache)) for m in fp8_modules_of(module)))
+        for first, later, module in zip(captured[True], captured[False], modules, strict=True)
+    ]
+    for m in fp8:  # the captured copies hold nothing until the first micro-batch's replay
+        m.fp8_weight_cache.clear()
+    return graphs, tables
 
 
 _Args = Sequence[tuple[torch.Tensor, ...]]

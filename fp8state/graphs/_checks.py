@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,15 @@ from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import DIRECTIONS
 
-__all__ = ["ArgSpec", "check_callables", "check_args", "FP8Buffers", "check_context"]
+__all__ = [
+    "ArgSpec",
+    "check_callables",
+    "check_args",
+    "FP8Buffers",
+    "check_context",
+    "microbatch_flag",
+    "weights_cached",
+]
 
 _WHERE = "make_graphed_callables"
 
@@ -220,4 +228,68 @@ def _settings(ctx: autocast.FP8Context) -> str:
     return (
         f"enabled={ctx.enabled}, calibrating={ctx.calibrating}, recipe={ctx.recipe}, "
         f"gemm_backend={ctx.gemm_backend!r}"
+    )
+
+
+_FLAG = "is_first_microbatch"
+
+
+def microbatch_flag(kwargs: dict[str, Any], caching: bool, index: int) -> bool | None:
+    """Take ``is_first_microbatch`` out of a call's ``kwargs``: a bool with caching, else absent.
+
+    Raises:
+        ConfigError: missing or not a bool where the graphs cache FP8 weights; given where
+            they do not (they cast the weights every call and have nothing to reuse).
+    """
+    if not caching:
+        if _FLAG in kwargs:
+            raise ConfigError(
+                f"graphed callable {index}, {_FLAG}",
+                f"{kwargs[_FLAG]!r}, on graphs captured without FP8 weight caching",
+                "no is_first_microbatch (these graphs cast the weights on every call)",
+                "Drop the argument, or graph with make_graphed_callables(..., "
+                "fp8_weight_caching=True).",
+            )
+        return None
+    flag = kwargs.pop(_FLAG, None)
+    if not isinstance(flag, bool):
+        raise ConfigError(
+            f"graphed callable {index}, {_FLAG}",
+            "missing" if flag is None else repr(flag),
+            "True or False: the graphs were captured with fp8_weight_caching=True",
+            "Pass is_first_microbatch=True on the first micro-batch after each optimizer step "
+            "(it casts the weights) and False on the others (they reuse the FP8 copies).",
+        )
+    return flag
+
+
+def weights_cached(weights: Sequence[tuple[FP8StateMixin, dict[int, Any]]], index: int) -> bool:
+    """Whether the FP8 modules hold the graphs' cached weights (True) or none at all (False).
+
+    ``weights``: per module, the cache entries the first micro-batch's graph writes. None
+    held (a fresh capture, or a load that emptied the caches) means a later micro-batch must
+    cast as a first one does, which is what an eager call would do.
+
+    Raises:
+        ConfigError: some modules hold the graphs' copies and others none, or a module holds
+            copies an eager call made: the graphs can reuse neither, and casting afresh would
+            not compute what the eager call reusing them computes.
+    """
+    states = {
+        "graph"
+        if module.fp8_weight_cache.get(gemm) is entry
+        else ("none" if gemm not in module.fp8_weight_cache else "eager")
+        for module, entries in weights
+        for gemm, entry in entries.items()
+    }
+    if states <= {"graph"}:
+        return True
+    if states == {"none"}:
+        return False
+    raise ConfigError(
+        f"graphed callable {index}, is_first_microbatch=False",
+        "FP8 weight caches the graphs cannot reuse (copies cast by an eager call, or "
+        "emptied for some modules only)",
+        "the FP8 weights the graph's first micro-batch cached, or none in any module",
+        "Pass is_first_microbatch=True to cast the weights again inside the graph.",
     )

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from fp8state import autocast
+from fp8state._runtime import microbatch
 from fp8state.errors import ConfigError
-from fp8state.graphs._capture import Captured, run_under
-from fp8state.graphs._checks import ArgSpec, FP8Buffers, check_args, check_context
+from fp8state.graphs._capture import Captured, Graphs, run_under
+from fp8state.graphs._checks import (
+    ArgSpec,
+    FP8Buffers,
+    check_args,
+    check_context,
+    microbatch_flag,
+    weights_cached,
+)
 from fp8state.mixin import FP8StateMixin
 
 __all__ = ["GraphedForward"]
@@ -20,28 +28,38 @@ __all__ = ["GraphedForward"]
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, graphed: GraphedForward, *inputs: torch.Tensor
+        ctx: Any, graphed: GraphedForward, cap: Captured, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        cap = graphed.captured
         for static, given in zip(cap.static_inputs, inputs, strict=False):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         cap.fwd_graph.replay()
         graphed.touch()
-        ctx.graphed = graphed
+        ctx.graphed, ctx.cap = graphed, cap
+        # Leaves (parameters, leaf inputs) by position: see backward.
+        ctx.leaves = tuple((i, t) for i, t in enumerate(inputs) if t.is_leaf and t.requires_grad)
         return tuple(o.detach() for o in cap.static_outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         graphed: GraphedForward = ctx.graphed
-        cap = graphed.captured
+        cap: Captured = ctx.cap
         for static, grad in zip(cap.static_grad_outputs, grads, strict=True):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         cap.bwd_graph.replay()
         graphed.touch()
-        return (None, *(g.detach() if g is not None else None for g in cap.static_grad_inputs))
+        grads_in = [g.detach() if g is not None else None for g in cap.static_grad_inputs]
+        # Autograd keeps a leaf's first gradient as ``.grad`` without copying it; a graph's
+        # gradient is its static buffer, which the next replay overwrites, so a second
+        # micro-batch would add its gradient to itself. A copy where ``.grad`` is None yet
+        # (later accumulations add into ``.grad`` and keep nothing of ours).
+        for i, leaf in ctx.leaves:
+            grad = grads_in[i]
+            if grad is not None and leaf.grad is None:
+                grads_in[i] = grad.clone()
+        return (None, None, *grads_in)
 
 
 class GraphedForward:
@@ -50,6 +68,11 @@ class GraphedForward:
     In the training mode it was captured in (and with gradients enabled), each call checks its
     arguments and settings, then replays; otherwise it calls the module's original forward,
     which computes the same eagerly (evaluation, inference under ``torch.no_grad()``).
+
+    With FP8 weight caching (``graphs.later`` set), every call takes ``is_first_microbatch``.
+    True replays the first micro-batch's graphs and puts their FP8 weight copies in the
+    modules' caches; False replays the later micro-batches' graphs, which reuse them, or the
+    first one's where the caches are empty (as an eager call casts when it finds none).
     """
 
     def __init__(
@@ -57,7 +80,7 @@ class GraphedForward:
         index: int,
         module: nn.Module,
         original: Any,
-        captured: Captured,
+        graphs: Graphs,
         ctx: autocast.FP8Context,
         fp8_modules: list[FP8StateMixin],
         keep_alive: list[Any],
@@ -66,10 +89,10 @@ class GraphedForward:
         self.index = index
         self.module = module
         self.original = original
-        self.captured = captured
+        self.graphs = graphs
         self.ctx = ctx
         self.training = module.training
-        self.spec = ArgSpec.of(captured.static_inputs)
+        self.spec = ArgSpec.of(graphs.first.static_inputs)
         self.fp8_modules = fp8_modules
         self.buffers = FP8Buffers(module, fp8_modules)
         self.keep_alive = keep_alive  # pointer tables the graphs read
@@ -82,10 +105,14 @@ class GraphedForward:
             module._fp8_touch()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        caching = self.graphs.later is not None
         if self.module.training != self.training or not torch.is_grad_enabled():
-            if autocast.innermost_context() is not None:  # the caller chose the FP8 settings
-                return self.original(*args, **kwargs)
-            return run_under(self.ctx, lambda: self.original(*args, **kwargs))
+            flag = kwargs.pop("is_first_microbatch", None) if caching else None
+            with microbatch.assumed(flag):  # an eager call with the flag it was given
+                if autocast.innermost_context() is not None:  # the caller's FP8 settings
+                    return self.original(*args, **kwargs)
+                return run_under(self.ctx, lambda: self.original(*args, **kwargs))
+        flag = microbatch_flag(kwargs, caching, self.index)
         if kwargs.keys() != set(self.kwarg_names):
             raise ConfigError(
                 f"graphed callable {self.index}",
@@ -98,5 +125,11 @@ class GraphedForward:
         check_args(self.spec, flat, self.index, self.kwarg_names)
         check_context(self.ctx, self.index)
         self.buffers.check(self.index)
-        out = _Replay.apply(self, *flat, *self.captured.params)
-        return pytree.tree_unflatten(list(out), self.captured.out_spec)
+        cap = self.graphs.first
+        if flag is False and weights_cached(self.graphs.weights, self.index):
+            cap = cast(Captured, self.graphs.later)
+        out = _Replay.apply(self, cap, *flat, *cap.params)
+        if cap is self.graphs.first:  # its replay wrote the copies later micro-batches reuse
+            for module, entries in self.graphs.weights:
+                module.fp8_weight_cache.update(entries)
+        return pytree.tree_unflatten(list(out), cap.out_spec)

@@ -127,6 +127,13 @@ def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
 
 
+def test_compiled_modes_benchmark_quick_run(tmp_path) -> None:
+    result = _quick_run("compiled_modes.py", tmp_path, 600)["compiled_modes_1x32"]
+    assert set(result["default"]) == {"eager_threshold", "fp8_graphed"}
+    assert all(isinstance(v, float) and v > 0 for v in result["default"].values())
+    assert result["command"] == "python benchmarks/compiled_modes.py --quick"
+
+
 def test_profile_step_benchmark_quick_run() -> None:
     stdout = _script("profile_step.py", "--quick", "--top", "5", timeout=600)
     for mode in ("eager", "compiled"):

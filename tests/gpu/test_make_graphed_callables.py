@@ -229,3 +229,118 @@ def test_graphed_modules_run_fp8_from_the_graphed_threshold() -> None:
     graphed(x).float().sum().backward()
     assert graphed.fp8_last_gemm_backend == "scaled_mm"
     assert graphed.fp8_meta("fwd").amax_history[0, :2].gt(0).all()  # recorded by the replay
+
+
+def _microbatch(model: nn.Module, x: torch.Tensor, eager: bool, first: bool | None) -> dict:
+    """One fwd+bwd of a micro-batch; gradients accumulate until :func:`_optimizer_step`."""
+    kwargs = {} if first is None else {"is_first_microbatch": first}
+    if eager:
+        with fp8state.fp8_autocast():
+            y = model(x, **kwargs)
+    else:
+        y = model(x, **kwargs)
+    y.float().pow(2).mean().backward()
+    seen = {"y": y.detach().clone(), "x.grad": x.grad.clone()}
+    seen.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
+    seen.update({n: b.clone() for n, b in model.named_buffers()})
+    return seen
+
+
+def _optimizer_step(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.01 * p.grad
+            p.grad = None
+
+
+def test_gradients_accumulate_over_replays_as_over_eager_steps() -> None:
+    # Autograd keeps a parameter's first gradient without copying it: it must not be the
+    # graph's buffer, which the next replay rewrites.
+    graphed, eager = _pair(BUILD["LayerNormMLP"])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    for step in range(4):
+        got = _microbatch(graphed, _input(step), False, None)
+        _assert_equal(got, _microbatch(eager, _input(step), True, None), step)
+        if step == 1:
+            for model in (graphed, eager):
+                _optimizer_step(model)
+
+
+# A later micro-batch first (nothing cached yet: it casts), then three optimizer steps of
+# three micro-batches each.
+FLAGS = [[False, True, False], [True, False, False], [True, False, False]]
+
+
+@pytest.mark.parametrize("kind", sorted(BUILD))
+def test_weight_caching_replays_equal_eager_microbatches_bit_for_bit(kind: str) -> None:
+    graphed, eager = _pair(BUILD[kind])
+    fp8state.make_graphed_callables(graphed, (_input(100),), fp8_weight_caching=True)
+    _assert_state_dicts_equal(graphed, eager)
+    step = 0
+    for flags in FLAGS:
+        for first in flags:
+            got = _microbatch(graphed, _input(step), False, first)
+            want = _microbatch(eager, _input(step), True, first)
+            _assert_equal(got, want, step)
+            step += 1
+        for model in (graphed, eager):
+            _optimizer_step(model)
+    # The later micro-batches reused the FP8 weights: the last one recorded no weight amax.
+    fp8 = [m for m in graphed.modules() if isinstance(m, fp8state.FP8StateMixin)]
+    assert fp8[0].fp8_meta("fwd").amax_history[0, 1] == 0
+    assert fp8[0].fp8_meta("fwd").amax_history[2, 1] > 0  # the first micro-batch's did
+
+
+def test_weight_caching_across_a_chain_and_a_checkpoint_load() -> None:
+    def chain() -> nn.Sequential:
+        return nn.Sequential(
+            fp8state.LayerNormLinear(H, H, **KW), fp8state.LayerNormMLP(H, 2 * H, **KW)
+        )
+
+    graphed, eager = _pair(chain)
+    samples = ((_input(100),), (_input(101),))
+    fp8state.make_graphed_callables(tuple(graphed), samples, fp8_weight_caching=True)
+
+    def run(model: nn.Sequential, x: torch.Tensor, eager_: bool, first: bool) -> torch.Tensor:
+        for layer in model:
+            if eager_:
+                with fp8state.fp8_autocast():
+                    x = layer(x, is_first_microbatch=first)
+            else:
+                x = layer(x, is_first_microbatch=first)
+        return x
+
+    buffer = io.BytesIO()
+    for step, first in enumerate([True, False, False, True, False]):
+        if step == 2:
+            torch.save(graphed.state_dict(), buffer)
+        if step == 4:  # back to the checkpoint: the load empties the caches, False casts
+            for model in (graphed, eager):
+                buffer.seek(0)
+                model.load_state_dict(torch.load(buffer, weights_only=True))
+        xs = (_input(step), _input(step))
+        ys = [run(m, x, e, first) for m, x, e in ((graphed, xs[0], False), (eager, xs[1], True))]
+        assert torch.equal(ys[0], ys[1]), step
+        for y in ys:
+            y.float().pow(2).mean().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad), step
+        _assert_state_dicts_equal(graphed, eager)
+        for model in (graphed, eager):
+            _optimizer_step(model)
+
+
+def test_weight_caching_refuses_what_it_cannot_follow() -> None:
+    graphed, _ = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(graphed, (_input(100),), fp8_weight_caching=True)
+    with pytest.raises(ConfigError, match="is_first_microbatch.*missing"):
+        graphed(_input(0))
+    graphed(_input(0), is_first_microbatch=True)
+    with torch.no_grad():  # eager: caches a copy of its own, which the graphs cannot read
+        graphed(_input(1), is_first_microbatch=True)
+    with pytest.raises(ConfigError, match="is_first_microbatch=True to cast"):
+        graphed(_input(2), is_first_microbatch=False)
+    graphed(_input(2), is_first_microbatch=True).float().sum().backward()  # fine again
+    plain, _ = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(plain, (_input(100),))
+    with pytest.raises(ConfigError, match="without FP8 weight caching"):
+        plain(_input(0), is_first_microbatch=True)

@@ -11,8 +11,16 @@ from _helpers.models import Gated
 import fp8state
 from fp8state.autocast import FP8Context
 from fp8state.errors import ConfigError
-from fp8state.graphs._capture import Captured
-from fp8state.graphs._checks import ArgSpec, FP8Buffers, check_args, check_callables, check_context
+from fp8state.graphs._capture import Captured, Graphs
+from fp8state.graphs._checks import (
+    ArgSpec,
+    FP8Buffers,
+    check_args,
+    check_callables,
+    check_context,
+    microbatch_flag,
+    weights_cached,
+)
 from fp8state.graphs._graphed import GraphedForward
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
@@ -142,14 +150,19 @@ def test_an_enclosing_autocast_must_ask_for_the_graphs_settings() -> None:
 
 
 def _graphed_forward(
-    layer: torch.nn.Module, x: torch.Tensor, kwargs: dict | None = None, **ctx
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    kwargs: dict | None = None,
+    caching: bool = False,
+    **ctx,
 ) -> GraphedForward:
     # No graph is replayed on these paths, so none is needed (a CPU cannot capture one).
     kwargs = kwargs or {}
     inputs = (x, *kwargs.values())
     captured = Captured(None, None, inputs, tuple(layer.parameters()), (), None, (), ())  # type: ignore[arg-type]
     fp8 = [m for m in layer.modules() if isinstance(m, fp8state.FP8StateMixin)]
-    return GraphedForward(0, layer, layer.forward, captured, _ctx(**ctx), fp8, [], tuple(kwargs))
+    graphs = Graphs(captured, captured if caching else None)
+    return GraphedForward(0, layer, layer.forward, graphs, _ctx(**ctx), fp8, [], tuple(kwargs))
 
 
 def test_outside_the_captured_mode_the_forward_runs_eagerly_under_the_graphs_settings() -> None:
@@ -206,3 +219,55 @@ def test_in_the_captured_mode_wrong_calls_raise_before_any_replay() -> None:
     layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
     with pytest.raises(ConfigError, match="parameters replaced"):
         graphed(x)
+
+
+def test_is_first_microbatch_is_required_with_weight_caching_and_refused_without() -> None:
+    assert microbatch_flag({}, False, 0) is None
+    with pytest.raises(ConfigError, match="callable 3, is_first_microbatch.*without FP8 weight"):
+        microbatch_flag({"is_first_microbatch": True}, False, 3)
+    for kwargs in ({}, {"is_first_microbatch": None}, {"is_first_microbatch": 1}):
+        with pytest.raises(ConfigError, match="True or False.*fp8_weight_caching=True"):
+            microbatch_flag(dict(kwargs), True, 0)
+    kwargs = {"is_first_microbatch": False, "gate": torch.zeros(1)}
+    assert microbatch_flag(kwargs, True, 0) is False
+    assert list(kwargs) == ["gate"]  # taken out: the rest are the captured keyword tensors
+
+
+def test_later_microbatches_reuse_the_graphs_weights_or_cast_where_there_are_none() -> None:
+    layers = [fp8state.Linear(16, 16) for _ in range(2)]
+    with fp8state.fp8_autocast():
+        for layer in layers:
+            layer(torch.randn(4, 16), is_first_microbatch=True)
+    weights = tuple((layer, dict(layer.fp8_weight_cache)) for layer in layers)
+    assert weights_cached(weights, 0)  # what the graphs' first micro-batch put there
+    for layer in layers:
+        layer.load_state_dict(layer.state_dict())  # a load empties the caches
+    assert not weights_cached(weights, 0)  # a later micro-batch casts, as an eager one would
+    layers[0].fp8_weight_cache.update(weights[0][1])
+    with pytest.raises(ConfigError, match="callable 2.*emptied for some modules only"):
+        weights_cached(weights, 2)  # one module's copies, the other's gone
+    with fp8state.fp8_autocast():
+        layers[1](torch.randn(4, 16), is_first_microbatch=True)  # an eager call's copies
+    with pytest.raises(ConfigError, match="is_first_microbatch=True to cast"):
+        weights_cached(weights, 0)
+    assert weights_cached((), 0)  # nothing cached (no FP8 GEMM): nothing to miss
+
+
+def test_with_weight_caching_calls_say_which_microbatch_and_eager_ones_obey() -> None:
+    block, twin = Gated(16), Gated(16)  # its forward takes no is_first_microbatch
+    twin.load_state_dict(block.state_dict())
+    x, gate = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    graphed = _graphed_forward(block, x, {"gate": gate}, caching=True, gemm_backend="emulated")
+    with pytest.raises(ConfigError, match="is_first_microbatch.*missing"):
+        graphed(x, gate=gate)  # in the captured mode, before any replay
+    for flag in (True, False, False):
+        with torch.no_grad():  # no replay: the eager forward, as if its modules were given it
+            got = graphed(x, gate=gate, is_first_microbatch=flag)
+            with fp8state.fp8_autocast(gemm_backend="emulated"):
+                want = twin.linear(x, is_first_microbatch=flag) * gate
+            for model in (block, twin):
+                model.linear.weight.mul_(2.0)  # the cached copies must not see it
+        assert torch.equal(got, want), flag
+        for a, b in zip(block.linear.fp8_meta("fwd"), twin.linear.fp8_meta("fwd"), strict=True):
+            assert torch.equal(a, b)
+    assert block.linear.fp8_weight_cache

@@ -1,0 +1,95 @@
+"""The 16-layer model compiled, in Inductor's modes, with FP8 from either threshold.
+
+Usage (CUDA): ``python benchmarks/compiled_modes.py [--out benchmarks/results/h200.json]``.
+
+``training_loop.py`` measures ``compiled_1x2048`` in the default mode, where fp8state's
+modules keep the eager threshold (``fp8state.backends.DEFAULT_MIN_GEMM_MACS``): a compiled
+step still queues every launch from the host. This compares, per mode (``default``,
+``reduce-overhead``: Inductor's CUDA graphs), fp8state's model with that threshold and with
+its modules marked ``fp8_graphed`` (every GEMM of the model in FP8), each against
+``torch.nn``'s bf16 model compiled in the same mode, in the same process: ratios
+``bf16 time / fp8state time`` (key ``compiled_modes_1x2048``). A mode that fails records
+its error. ``--quick`` (tiny model, default mode, CPU too) tests the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
+from training_loop import build_model, guarded, make_step, mark_graphed
+
+MODES = ("default", "reduce-overhead")
+
+
+def _marked(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` as a new iteration for Inductor's CUDA graphs (its outputs may be rewritten)."""
+
+    def run() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        step()
+
+    return run
+
+
+def measure(mode: str, device: torch.device, args) -> dict[str, float | str]:
+    """bf16 time / fp8state time in ``mode``, for both FP8 thresholds."""
+    x = torch.randn(1, args.tokens, args.model["hidden"], device=device, dtype=torch.bfloat16)
+    x.requires_grad_()
+    grad = torch.randn_like(x)
+    bf16 = _marked(
+        make_step(
+            torch.compile(build_model(False, device, **args.model), mode=mode), x, grad, False
+        )
+    )
+    result: dict[str, float | str] = {}
+    for name, graphed in (("eager_threshold", False), ("fp8_graphed", True)):
+        model = build_model(True, device, **args.model)
+        mark_graphed(model, graphed)
+        fp8 = _marked(make_step(torch.compile(model, mode=mode), x, grad, True))
+        result[name] = guarded(lambda: _ratio(fp8, bf16, device, args))  # noqa: B023
+    torch._dynamo.reset()
+    return result
+
+
+def _ratio(fp8: Callable[[], None], bf16: Callable[[], None], device, args) -> float:
+    bf16_ms, fp8_ms = steady_pair_ms(bf16, fp8, device, args.warmup, args.blocks)
+    return round(bf16_ms / fp8_ms, 3)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Measure every mode, print the JSON, merge it into ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny model, default mode")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    args.warmup, args.blocks = (1, 2) if args.quick else (3, 7)
+    args.model = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
+    args.model.setdefault("hidden", 2048)
+    args.tokens = 32 if args.quick else 2048
+    spin_up(device, 0.0 if args.quick else 2.0)
+    started = time.perf_counter()
+    result: dict = {
+        mode: guarded(lambda: measure(mode, device, args))  # noqa: B023
+        for mode in (MODES[:1] if args.quick else MODES)
+    }
+    result["command"] = "python benchmarks/compiled_modes.py" + (" --quick" if args.quick else "")
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out = {f"compiled_modes_1x{args.tokens}": result}
+    print(json.dumps(out, indent=2))
+    if args.out is not None:
+        recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
+        recorded.update(out)
+        args.out.write_text(json.dumps(recorded, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
