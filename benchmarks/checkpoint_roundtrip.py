@@ -18,13 +18,13 @@ an existing JSON file. ``--quick`` (a tiny model, on CPU too) tests the script.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from record import report  # benchmarks/ is on sys.path as a script
 from torch import nn
 
 import fp8state
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
         "command": "python benchmarks/checkpoint_roundtrip.py" + (" --quick" if args.quick else ""),
     }
-    print(json.dumps({KEY: result}, indent=2))
-    if args.out is not None:
-        recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
-        recorded[KEY] = result
-        args.out.write_text(json.dumps(recorded, indent=2) + "\n")
+    report({KEY: result}, args.out)
     return result
 
 

@@ -15,13 +15,13 @@ its error. ``--quick`` (tiny model, default mode, CPU too) tests the script.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
+from record import report
 from training_loop import build_model, guarded, make_step, mark_graphed
 
 MODES = ("default", "reduce-overhead")
@@ -83,11 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["command"] = "python benchmarks/compiled_modes.py" + (" --quick" if args.quick else "")
     result["seconds"] = round(time.perf_counter() - started, 1)
     out = {f"compiled_modes_1x{args.tokens}": result}
-    print(json.dumps(out, indent=2))
-    if args.out is not None:
-        recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
-        recorded.update(out)
-        args.out.write_text(json.dumps(recorded, indent=2) + "\n")
+    report(out, args.out)
     return out
 
 

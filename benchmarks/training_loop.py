@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 import traceback
 from collections.abc import Callable
@@ -57,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from hopper import spin_up, steady_pair_ms
 from host_floor import FloorLinear, floor_model_step, floor_step  # benchmarks/ on sys.path
+from record import report
 from torch import nn
 
 import fp8state
@@ -378,11 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         + (" --quick" if args.quick else "")
         + (" --skip " + " ".join(args.skip) if args.skip else ""),
     }
-    print(json.dumps(result, indent=2))
-    if args.out is not None:
-        recorded = json.loads(args.out.read_text()) if args.out.exists() else {}
-        recorded.update(result)
-        args.out.write_text(json.dumps(recorded, indent=2) + "\n")
+    report(result, args.out)
     return result
 
 

@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from fp8state import autocast
-from fp8state._runtime import handles
+from fp8state._runtime import handles, microbatch
 from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.operators import define
@@ -48,6 +48,15 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
             "compiled forwards run once, outside backward",
             "Checkpoint eagerly with fp8state.functional.activation_checkpoint, or compile "
             "the blocks without checkpointing them.",
+        )
+    if microbatch.first_microbatch(None) is not None:
+        raise ConfigError(
+            f"{type(module).__name__} ({what})",
+            "a compiled FP8 call while is_first_microbatch is in force (graphs captured with "
+            "fp8_weight_caching, or their eager calls)",
+            "compiled calls cast their weights every call and take no is_first_microbatch",
+            "Call the module uncompiled inside graphs with FP8 weight caching, or graph "
+            "without fp8_weight_caching.",
         )
     if register:  # under an fp8_autocast entered before the graph ran
         if autocast.active_context() is None:  # pragma: no cover - the graph's guards

@@ -88,7 +88,8 @@ def make_graphed_callables(
         ConfigError: no CUDA device; a callable that is not an ``nn.Module`` or has hooks;
             sample arguments that are not CUDA tensors; FP8 settings ``fp8_autocast``
             refuses; called inside an ``fp8_autocast`` (its exit would update the scales
-            outside the graph). Later, at a call in the captured mode: arguments of another
+            outside the graph); with ``fp8_weight_caching``, a compiled FP8 module in a
+            callable. Later, at a call in the captured mode: arguments of another
             shape, dtype, device or ``requires_grad``, keyword names other than those of
             ``sample_kwargs``, parameters or FP8 buffers replaced by other tensors, an
             enclosing ``fp8_autocast`` with other settings than the graph's, or an

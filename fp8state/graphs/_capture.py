@@ -13,6 +13,7 @@ micro-batches', which reads those copies and casts no weight.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,8 +161,9 @@ def capture_all(
     """Warm up, capture every forward in order and every backward in reverse, restore FP8 state.
 
     With ``weight_caching``, all that twice: the first micro-batch's graphs in ``pool``, then
-    the later micro-batches' in a pool of their own (a module may replay either kind after
-    the other's forward, so their temporaries must not share memory).
+    the later micro-batches' in a pool of their own (modules may mix the two kinds in one
+    pass, so their temporaries must not share memory). A failure leaves the modules as they
+    were: FP8 metadata put back, weight caches empty.
 
     Returns the graphs and the pointer tables of the batched scale update that the graphs
     may read (the caller keeps them alive: the cache that made them may drop them later).
@@ -190,6 +192,9 @@ def capture_all(
     except BaseException:
         for m, was in zip(fp8, was_graphed, strict=True):
             set_plain_attr(m, "fp8_graphed", was)
+            m.fp8_weight_cache.clear()  # copies no kernel may have written
+        with contextlib.suppress(Exception):  # the metadata as it was, where CUDA still can
+            _put_back(saved)
         raise
     _put_back(saved)
     if not weight_caching:

@@ -235,27 +235,28 @@ _FLAG = "is_first_microbatch"
 
 
 def microbatch_flag(kwargs: dict[str, Any], caching: bool, index: int) -> bool | None:
-    """Take ``is_first_microbatch`` out of a call's ``kwargs``: a bool with caching, else absent.
+    """Take ``is_first_microbatch`` out of a call's ``kwargs``: a bool with caching, else None.
 
     Raises:
-        ConfigError: missing or not a bool where the graphs cache FP8 weights; given where
-            they do not (they cast the weights every call and have nothing to reuse).
+        ConfigError: missing or not a bool where the graphs cache FP8 weights; True or False
+            where they do not (they cast the weights every call and have nothing to reuse).
     """
+    given = _FLAG in kwargs
+    flag = kwargs.pop(_FLAG, None)
     if not caching:
-        if _FLAG in kwargs:
+        if flag is not None:
             raise ConfigError(
                 f"graphed callable {index}, {_FLAG}",
-                f"{kwargs[_FLAG]!r}, on graphs captured without FP8 weight caching",
-                "no is_first_microbatch (these graphs cast the weights on every call)",
+                f"{flag!r}, on graphs captured without FP8 weight caching",
+                "no is_first_microbatch, or None (these graphs cast the weights every call)",
                 "Drop the argument, or graph with make_graphed_callables(..., "
                 "fp8_weight_caching=True).",
             )
         return None
-    flag = kwargs.pop(_FLAG, None)
     if not isinstance(flag, bool):
         raise ConfigError(
             f"graphed callable {index}, {_FLAG}",
-            "missing" if flag is None else repr(flag),
+            repr(flag) if given else "missing",
             "True or False: the graphs were captured with fp8_weight_caching=True",
             "Pass is_first_microbatch=True on the first micro-batch after each optimizer step "
             "(it casts the weights) and False on the others (they reuse the FP8 copies).",

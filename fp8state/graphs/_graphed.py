@@ -35,9 +35,18 @@ class _Replay(torch.autograd.Function):
                 static.copy_(given)
         cap.fwd_graph.replay()
         graphed.touch()
-        ctx.graphed, ctx.cap = graphed, cap
-        # Leaves (parameters, leaf inputs) by position: see backward.
+        graphed.replays += 1
+        ctx.graphed, ctx.cap, ctx.replay = graphed, cap, graphed.replays
+        # Gradients that must be handed over as copies (see backward): leaves', and those of
+        # inputs another replay did not make (they may pass through to a leaf unchanged).
         ctx.leaves = tuple((i, t) for i, t in enumerate(inputs) if t.is_leaf and t.requires_grad)
+        ctx.passed_on = tuple(
+            i
+            for i, t in enumerate(inputs)
+            if t.requires_grad
+            and not t.is_leaf
+            and not isinstance(t.grad_fn, _Replay._backward_cls)
+        )
         return tuple(o.detach() for o in cap.static_outputs)
 
     @staticmethod
@@ -45,6 +54,17 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         graphed: GraphedForward = ctx.graphed
         cap: Captured = ctx.cap
+        if graphed.replays != ctx.replay:
+            # The graphs hold one call's saved state (both kinds of micro-batch share the
+            # static inputs and the cached FP8 weights), and a later forward rewrote it.
+            raise ConfigError(
+                f"graphed callable {graphed.index}, backward",
+                f"the backward of forward call {ctx.replay}, after forward call "
+                f"{graphed.replays} replayed over its saved state",
+                "each call's backward before the module's next forward (one call in flight)",
+                "Run backward before calling the module again, or graph one copy of the module "
+                "per call in flight (a module called twice in one step: one per call).",
+            )
         for static, grad in zip(cap.static_grad_outputs, grads, strict=True):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
@@ -54,11 +74,13 @@ class _Replay(torch.autograd.Function):
         # Autograd keeps a leaf's first gradient as ``.grad`` without copying it; a graph's
         # gradient is its static buffer, which the next replay overwrites, so a second
         # micro-batch would add its gradient to itself. A copy where ``.grad`` is None yet
-        # (later accumulations add into ``.grad`` and keep nothing of ours).
-        for i, leaf in ctx.leaves:
-            grad = grads_in[i]
-            if grad is not None and leaf.grad is None:
-                grads_in[i] = grad.clone()
+        # (later accumulations add into ``.grad`` and keep nothing of ours), and for inputs
+        # whose backward may pass the buffer on to a leaf (a view, an addition); another
+        # replay's backward copies it into its own buffer instead.
+        copies = [i for i, leaf in ctx.leaves if leaf.grad is None] + list(ctx.passed_on)
+        for i in copies:
+            if grads_in[i] is not None:
+                grads_in[i] = grads_in[i].clone()
         return (None, None, *grads_in)
 
 
@@ -98,6 +120,8 @@ class GraphedForward:
         self.keep_alive = keep_alive  # pointer tables the graphs read
         # The last static inputs are these keyword arguments' tensors, in this order.
         self.kwarg_names = kwarg_names
+        # Forward replays so far: a backward checks that its call was the last.
+        self.replays = 0
 
     def touch(self) -> None:
         """Tell each FP8 module its metadata changed: a replay runs no Python code of theirs."""

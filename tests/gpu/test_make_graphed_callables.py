@@ -57,8 +57,10 @@ def _input(step: int) -> torch.Tensor:
 
 
 def _step(
-    model: nn.Module, x: torch.Tensor, eager: bool, **kwargs: torch.Tensor
+    model: nn.Module, x: torch.Tensor, eager: bool, update: bool = True, **kwargs: object
 ) -> dict[str, torch.Tensor]:
+    """One fwd+bwd: what it computed and left; ``update``: then an SGD step (else gradients
+    accumulate). ``kwargs`` go to the forward (tensors: their gradients are seen too)."""
     if eager:
         with fp8state.fp8_autocast():
             y = model(x, **kwargs)
@@ -66,15 +68,20 @@ def _step(
         y = model(x, **kwargs)
     y.float().pow(2).mean().backward()
     seen = {"y": y.detach().clone(), "x.grad": x.grad.clone()}
-    seen.update({f"{name}.grad": t.grad.clone() for name, t in kwargs.items()})
+    tensors = {k: t for k, t in kwargs.items() if isinstance(t, torch.Tensor)}
+    seen.update({f"{name}.grad": t.grad.clone() for name, t in tensors.items()})
+    seen.update({f"{name}.grad": p.grad.clone() for name, p in model.named_parameters()})
+    if update:
+        _optimizer_step(model)
+    seen.update({name: b.clone() for name, b in model.named_buffers()})
+    return seen
+
+
+def _optimizer_step(model: nn.Module) -> None:
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            seen[f"{name}.grad"] = p.grad.clone()
+        for p in model.parameters():
             p -= 0.01 * p.grad
             p.grad = None
-    for name, b in model.named_buffers():
-        seen[name] = b.clone()
-    return seen
 
 
 def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], step: int) -> None:
@@ -231,36 +238,14 @@ def test_graphed_modules_run_fp8_from_the_graphed_threshold() -> None:
     assert graphed.fp8_meta("fwd").amax_history[0, :2].gt(0).all()  # recorded by the replay
 
 
-def _microbatch(model: nn.Module, x: torch.Tensor, eager: bool, first: bool | None) -> dict:
-    """One fwd+bwd of a micro-batch; gradients accumulate until :func:`_optimizer_step`."""
-    kwargs = {} if first is None else {"is_first_microbatch": first}
-    if eager:
-        with fp8state.fp8_autocast():
-            y = model(x, **kwargs)
-    else:
-        y = model(x, **kwargs)
-    y.float().pow(2).mean().backward()
-    seen = {"y": y.detach().clone(), "x.grad": x.grad.clone()}
-    seen.update({f"{n}.grad": p.grad.clone() for n, p in model.named_parameters()})
-    seen.update({n: b.clone() for n, b in model.named_buffers()})
-    return seen
-
-
-def _optimizer_step(model: nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.01 * p.grad
-            p.grad = None
-
-
 def test_gradients_accumulate_over_replays_as_over_eager_steps() -> None:
     # Autograd keeps a parameter's first gradient without copying it: it must not be the
     # graph's buffer, which the next replay rewrites.
     graphed, eager = _pair(BUILD["LayerNormMLP"])
     fp8state.make_graphed_callables(graphed, (_input(100),))
     for step in range(4):
-        got = _microbatch(graphed, _input(step), False, None)
-        _assert_equal(got, _microbatch(eager, _input(step), True, None), step)
+        got = _step(graphed, _input(step), False, update=False)
+        _assert_equal(got, _step(eager, _input(step), True, update=False), step)
         if step == 1:
             for model in (graphed, eager):
                 _optimizer_step(model)
@@ -279,8 +264,8 @@ def test_weight_caching_replays_equal_eager_microbatches_bit_for_bit(kind: str) 
     step = 0
     for flags in FLAGS:
         for first in flags:
-            got = _microbatch(graphed, _input(step), False, first)
-            want = _microbatch(eager, _input(step), True, first)
+            got = _step(graphed, _input(step), False, False, is_first_microbatch=first)
+            want = _step(eager, _input(step), True, False, is_first_microbatch=first)
             _assert_equal(got, want, step)
             step += 1
         for model in (graphed, eager):
@@ -344,3 +329,20 @@ def test_weight_caching_refuses_what_it_cannot_follow() -> None:
     fp8state.make_graphed_callables(plain, (_input(100),))
     with pytest.raises(ConfigError, match="without FP8 weight caching"):
         plain(_input(0), is_first_microbatch=True)
+
+
+def test_a_second_call_in_flight_makes_the_first_backward_raise() -> None:
+    graphed, eager = _pair(BUILD["Linear"])
+    fp8state.make_graphed_callables(graphed, (_input(100),))
+    y1 = graphed(_input(1))
+    y2 = graphed(_input(2))  # replayed over the first call's saved state
+    with pytest.raises(ConfigError, match="backward of forward call 1"):
+        y1.float().sum().backward()
+    y2.float().pow(2).mean().backward()  # the call in flight is still exact
+    with fp8state.fp8_autocast():  # each graphed call has a context of its own
+        eager(_input(1))  # the first call's forward, whose backward never ran
+    with fp8state.fp8_autocast():
+        y = eager(_input(2))
+    y.float().pow(2).mean().backward()
+    for p, q in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -223,10 +223,12 @@ def test_in_the_captured_mode_wrong_calls_raise_before_any_replay() -> None:
 
 def test_is_first_microbatch_is_required_with_weight_caching_and_refused_without() -> None:
     assert microbatch_flag({}, False, 0) is None
+    assert microbatch_flag({"is_first_microbatch": None}, False, 0) is None  # every call casts
     with pytest.raises(ConfigError, match="callable 3, is_first_microbatch.*without FP8 weight"):
         microbatch_flag({"is_first_microbatch": True}, False, 3)
-    for kwargs in ({}, {"is_first_microbatch": None}, {"is_first_microbatch": 1}):
-        with pytest.raises(ConfigError, match="True or False.*fp8_weight_caching=True"):
+    for kwargs, found in (({}, "missing"), ({"is_first_microbatch": None}, "None"),
+                          ({"is_first_microbatch": 1}, "1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{found}.*True or False.*fp8_weight_caching=True"):
             microbatch_flag(dict(kwargs), True, 0)
     kwargs = {"is_first_microbatch": False, "gate": torch.zeros(1)}
     assert microbatch_flag(kwargs, True, 0) is False

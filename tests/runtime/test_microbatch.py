@@ -12,6 +12,7 @@ from torch import nn
 
 import fp8state
 from fp8state._runtime import microbatch
+from fp8state.errors import ConfigError
 
 H = 32
 
@@ -89,3 +90,15 @@ def test_the_assumption_is_this_threads_and_ends_with_its_block(seed: int) -> No
     assert seen == [None, True]
     assert microbatch.first_microbatch(None) is None
     assert microbatch.first_microbatch(False) is False
+
+
+def test_a_compiled_call_refuses_an_assumed_flag(seed: int) -> None:
+    # Compiled calls cast their weights every call: inside a capture with weight caching
+    # they would cast where the graphs promise reuse.
+    layer = fp8state.Linear(H, H)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, H)
+    with fp8state.fp8_autocast():
+        compiled(x)  # without the assumption: fine
+        with microbatch.assumed(False), pytest.raises(ConfigError, match="compiled FP8 call"):
+            compiled(x)
