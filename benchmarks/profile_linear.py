@@ -79,6 +79,11 @@ def main() -> None:
         help="what the swept cast computes before quantizing",
     )
     parser.add_argument(
+        "--default-only",
+        action="store_true",
+        help="time the default configuration only (and the cast that opens a step)",
+    )
+    parser.add_argument(
         "--column-sums",
         action="store_true",
         help="sweep the cast that also sums columns (a bias gradient)",
@@ -184,7 +189,8 @@ def timeline_gaps(step, steps: int = 3) -> None:
 def sweep(args: argparse.Namespace, m: int, n: int) -> None:
     """GB/s of the cast kernel per block configuration, with and without the transpose.
 
-    The default configuration is timed too, marked ``(default)``.
+    The default configuration is timed too, marked ``(default)``, and as the first record of a
+    step, whose launch also shifts the history down.
     """
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     aux = torch.randn_like(x) if args.op == "dgelu" else None
@@ -194,7 +200,8 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         moved = x.numel() * (2 + (2 if aux is not None else 0) + (2 if transpose else 1))
         results = []
         default = default_config(m, n, transpose, args.op, args.column_sums)
-        for cfg in [default, *CONFIGS[transpose, args.column_sums]]:
+        swept = [] if args.default_only else CONFIGS[transpose, args.column_sums]
+        for cfg in [default, *swept]:
             ms = kernel_ms(
                 lambda cfg=cfg, transpose=transpose: cast_launch._launch(
                     x,
@@ -218,6 +225,7 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
             )
             results.append((ms, cfg))
         ranked = sorted(results[1:])[:8]
+        opening = _opening_step_us(x, aux, transpose, args)
         for ms, cfg in [(results[0][0], f"{default} (default)"), *ranked]:
             print(
                 f"cast {args.op} {m}x{n} transpose={transpose} "
@@ -225,6 +233,48 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
                 f"{ms * 1e3:.1f} us, "
                 f"{moved / ms / 1e6:.0f} GB/s"
             )
+        print(
+            f"cast {args.op} {m}x{n} transpose={transpose} default config, first record of a "
+            f"step (history {_HISTORY[0]}x{_HISTORY[1]} shifted): {opening[0]:.1f} us; "
+            f"a later record: {opening[1]:.1f} us"
+        )
+
+
+# The history a first record shifts: TE's default length, LayerNormMLP's forward slots.
+_HISTORY = (1024, 6)
+
+
+def _opening_step_us(
+    x: torch.Tensor, aux: torch.Tensor | None, transpose: bool, args: argparse.Namespace
+) -> tuple[float, float]:
+    """Microseconds of the default cast that opens a step (shifting the history) and of one
+    that only records into it, on a history of ``_HISTORY``."""
+    history = torch.zeros(_HISTORY, device="cuda")
+    scale = torch.ones(_HISTORY[1], device="cuda")
+    times = []
+    for new_step in (True, False):
+        ms = kernel_ms(
+            lambda new_step=new_step: cast_launch._launch(
+                x,
+                scale,
+                scale,
+                history,
+                1,
+                _HISTORY[1],
+                torch.float8_e4m3fn,
+                transpose,
+                snapshot=False,
+                new_step=new_step,
+                column_sums=args.column_sums,
+                op=args.op,
+                aux=aux,
+            ),
+            _CUDA,
+            5,
+            20,
+        )
+        times.append(ms * 1e3)
+    return times[0], times[1]
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ the same process (> 1: FP8 is faster):
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import time
 import traceback
@@ -162,8 +163,13 @@ def graphed(step: Callable[[], None]) -> Callable[[], None]:
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    gc.collect()  # a graph the collector frees mid-capture fails it (docs/graphs.md)
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        gc.enable()
     return graph.replay
 
 

@@ -25,12 +25,12 @@ __all__ = ["OPS", "cast_kernel"]
 
 
 @triton.jit
-def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
-    """Shift the history down one row, zero row 0, write ``amax`` into row 0 of ``slot``.
+def _shift_history(hist_ptr, n_slots, hist_rows, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
+    """Shift the history down one row (row 0 stays as it was, until the step's amax is known).
 
-    Run by one program only, after every other program has finished with the history.
-    Chunks go from the bottom up so that each row is read before the chunk below overwrites
-    it; the barriers order each chunk's loads before its stores across the program's threads.
+    Run by one program only, while the others cast: no program reads the history. Chunks go
+    from the bottom up so that each row is read before the chunk below overwrites it; the
+    barriers order each chunk's loads before its stores across the program's threads.
     """
     cols = tl.arange(0, SLOTS)
     in_row = cols < n_slots
@@ -41,7 +41,6 @@ def _open_step(hist_ptr, slot, n_slots, hist_rows, amax, SLOTS: tl.constexpr, CH
         tl.debug_barrier()
         tl.store(hist_ptr + dst[:, None] * n_slots + cols[None, :], moved, mask=mask)
         tl.debug_barrier()
-    tl.store(hist_ptr + cols, tl.where(cols == slot, amax, 0.0), mask=in_row)
 
 
 # What the kernel casts: the input itself, GELU (tanh approximation) of it, or the input (an
@@ -156,6 +155,13 @@ def cast_kernel(
     # knows each tile starts aligned and vectorizes the loads; unspecialized, the cast ran at
     # 2/3 the speed).
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if SHIFT:
+        # First record of a step: the history shifts down before row 0 takes this cast's
+        # amax. One program shifts while the others cast (a shift left to the last program
+        # to finish added its dependent round trips to every such launch); the last program
+        # writes row 0 once every program, this one included, has counted itself done.
+        if (pid_m == 0) & (pid_n == 0):
+            _shift_history(hist_ptr, n_slots, hist_rows, SLOTS, CHUNK)
     scale = tl.load(scale_ptr + slot)
     if SNAPSHOT:  # the inverse scale as of this cast, for backward (the live one moves on)
         tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=(pid_m == 0) & (pid_n == 0))
@@ -226,15 +232,16 @@ def cast_kernel(
             )
     amax = tl.max(tl.max(running, axis=1), axis=0)
     if SHIFT:
-        # First record of a step: the history must shift before row 0 takes this amax, and
-        # other programs are still running. Each program max-combines its amax into scratch
-        # (as int bits: same order as the floats, all >= 0) and counts itself done; the last
-        # one shifts and writes, then resets scratch for the next launch on this stream.
+        # Each program max-combines its amax into scratch (as int bits: same order as the
+        # floats, all >= 0) and counts itself done (acq_rel: the shift's stores are visible
+        # to whoever counts last); the last one writes row 0, then resets scratch for the
+        # next launch on this stream.
         tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
         done = tl.atomic_add(scratch_ptr + 1, 1)
         if done == tl.num_programs(0) * tl.num_programs(1) - 1:
             total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
             tl.atomic_xchg(scratch_ptr + 1, 0)
-            _open_step(hist_ptr, slot, n_slots, hist_rows, total, SLOTS, CHUNK)
+            row0 = tl.arange(0, SLOTS)
+            tl.store(hist_ptr + row0, tl.where(row0 == slot, total, 0.0), mask=row0 < n_slots)
     else:
         tl.atomic_max(hist_ptr + slot, amax)

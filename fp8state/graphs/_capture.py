@@ -14,7 +14,8 @@ micro-batches', which reads those copies and casts no weight.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,23 +164,27 @@ def capture_all(
     With ``weight_caching``, all that twice: the first micro-batch's graphs in ``pool``, then
     the later micro-batches' in a pool of their own (modules may mix the two kinds in one
     pass, so their temporaries must not share memory). A failure leaves the modules as they
-    were: FP8 metadata put back, weight caches empty.
+    were: FP8 metadata, recipe, weight caches and ``fp8_graphed`` put back (buffers grown for
+    a longer window stay grown).
 
     Returns the graphs and the pointer tables of the batched scale update that the graphs
     may read (the caller keeps them alive: the cache that made them may drop them later).
     """
     fp8 = [m for module in modules for m in fp8_modules_of(module)]
+    before = [(m.fp8_graphed, m.fp8_recipe, dict(m.fp8_weight_cache)) for m in fp8]
+    for m in fp8:
+        # The graphs' recipe now, as the warm-up's scale update would make it: a longer
+        # window grows the buffers here, before the snapshot and the capture take them.
+        m.fp8_recipe = ctx.recipe
+        # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs'
+        # own (fp8state.backends.GRAPHED_MIN_GEMM_MACS); the warm-up runs what is captured.
+        set_plain_attr(m, "fp8_graphed", True)
     saved = _snapshot(fp8)
     params = [tuple(m.parameters()) for m in modules]
     flags: tuple[bool | None, ...] = (True, False) if weight_caching else (None,)
-    # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs' own
-    # (fp8state.backends.GRAPHED_MIN_GEMM_MACS), and the warm-up must run what is captured.
-    was_graphed = [m.fp8_graphed for m in fp8]
-    for m in fp8:
-        set_plain_attr(m, "fp8_graphed", True)
     captured: dict[bool | None, list[Captured]] = {}
     try:
-        with amax_reduction.tables_kept() as tables:
+        with _collector_paused(), amax_reduction.tables_kept() as tables:
             for flag in flags:
                 with microbatch.assumed(flag):
                     _warm_up(forwards, sample_args, params, ctx, warmup, allow_unused)
@@ -190,9 +195,11 @@ def capture_all(
                         forwards, sample_args, params, ctx, allow_unused, where
                     )
     except BaseException:
-        for m, was in zip(fp8, was_graphed, strict=True):
-            set_plain_attr(m, "fp8_graphed", was)
-            m.fp8_weight_cache.clear()  # copies no kernel may have written
+        for m, (graphed, recipe, cache) in zip(fp8, before, strict=True):
+            set_plain_attr(m, "fp8_graphed", graphed)
+            m.fp8_recipe = recipe  # grown buffers stay: a shorter window fits them
+            m.fp8_weight_cache.clear()  # the copies the module had, none a graph may write
+            m.fp8_weight_cache.update(cache)
         with contextlib.suppress(Exception):  # the metadata as it was, where CUDA still can
             _put_back(saved)
         raise
@@ -206,6 +213,25 @@ def capture_all(
     for m in fp8:  # the captured copies hold nothing until the first micro-batch's replay
         m.fp8_weight_cache.clear()
     return graphs, tables
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector run once now, then paused until the block ends.
+
+    A CUDA graph that the collector frees while a stream is capturing destroys its executable
+    graph, which CUDA forbids during a capture: the capture being made fails, and the process's
+    CUDA state with it. Dead reference cycles holding graphs (an earlier graphed model, say)
+    are common, and ``torch.cuda.graph`` no longer collects before capturing by default.
+    """
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 _Args = Sequence[tuple[torch.Tensor, ...]]

@@ -10,6 +10,7 @@ CUDA.
 
 from __future__ import annotations
 
+import gc
 import io
 from collections.abc import Callable
 
@@ -346,3 +347,45 @@ def test_a_second_call_in_flight_makes_the_first_backward_raise() -> None:
     y.float().pow(2).mean().backward()
     for p, q in zip(graphed.parameters(), eager.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+class _LeavesDeadGraphs(nn.Module):
+    """An FP8 Linear whose forward, while captured, leaves a dead reference cycle holding a
+    CUDA graph (as any earlier graphed model that is gone may)."""
+
+    def __init__(self, spare: torch.cuda.CUDAGraph) -> None:
+        super().__init__()
+        self.inner = fp8state.Linear(H, H, **KW)
+        self.inner.fp8_min_gemm_macs = 0
+        self.spare = [spare]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spare and torch.cuda.is_current_stream_capturing():
+            cycle: list[object] = [self.spare.pop()]
+            cycle.append(cycle)
+        return self.inner(x)
+
+
+def test_capture_holds_while_dead_graphs_wait_for_the_collector() -> None:
+    # Freed mid-capture, a CUDA graph would fail the capture being made: the collector runs
+    # before capturing and not during it, however eager it is set to run.
+    spare, counter = torch.cuda.CUDAGraph(), torch.zeros(1, device=CUDA)
+    with torch.cuda.graph(spare):
+        counter.add_(1)
+    module = _LeavesDeadGraphs(spare)
+    del spare
+    eager = fp8state.Linear(H, H, **KW)
+    eager.fp8_min_gemm_macs = 0
+    eager.load_state_dict(module.inner.state_dict())
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation
+    try:
+        fp8state.make_graphed_callables(module, (_input(100),))
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not module.spare  # dropped while a stream captured
+    for step in range(3):
+        got = _step(module, _input(step), False)
+        want = _step(eager, _input(step), True)
+        assert torch.equal(got["y"], want["y"]) and torch.equal(got["x.grad"], want["x.grad"])
+        assert torch.equal(got["inner.weight.grad"], want["weight.grad"])
