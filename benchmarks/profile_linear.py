@@ -194,7 +194,6 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
     """
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     aux = torch.randn_like(x) if args.op == "dgelu" else None
-    scale = torch.tensor([1.0], device="cuda")
     cell = torch.zeros(1, device="cuda")
     for transpose in (False, True):
         moved = x.numel() * (2 + (2 if aux is not None else 0) + (2 if transpose else 1))
@@ -202,27 +201,7 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         default = default_config(m, n, transpose, args.op, args.column_sums)
         swept = [] if args.default_only else CONFIGS[transpose, args.column_sums]
         for cfg in [default, *swept]:
-            ms = kernel_ms(
-                lambda cfg=cfg, transpose=transpose: cast_launch._launch(
-                    x,
-                    scale,
-                    scale,
-                    cell,
-                    0,
-                    1,
-                    torch.float8_e4m3fn,
-                    transpose,
-                    snapshot=False,
-                    new_step=False,
-                    column_sums=args.column_sums,
-                    op=args.op,
-                    aux=aux,
-                    config=cfg,
-                ),
-                _CUDA,
-                5,
-                20,
-            )
+            ms = _cast_ms(x, aux, transpose, args, cell, 1, new_step=False, config=cfg)
             results.append((ms, cfg))
         ranked = sorted(results[1:])[:8]
         opening = _opening_step_us(x, aux, transpose, args)
@@ -250,31 +229,47 @@ def _opening_step_us(
     """Microseconds of the default cast that opens a step (shifting the history) and of one
     that only records into it, on a history of ``_HISTORY``."""
     history = torch.zeros(_HISTORY, device="cuda")
-    scale = torch.ones(_HISTORY[1], device="cuda")
-    times = []
-    for new_step in (True, False):
-        ms = kernel_ms(
-            lambda new_step=new_step: cast_launch._launch(
-                x,
-                scale,
-                scale,
-                history,
-                1,
-                _HISTORY[1],
-                torch.float8_e4m3fn,
-                transpose,
-                snapshot=False,
-                new_step=new_step,
-                column_sums=args.column_sums,
-                op=args.op,
-                aux=aux,
-            ),
-            _CUDA,
-            5,
-            20,
-        )
-        times.append(ms * 1e3)
+    times = [
+        _cast_ms(x, aux, transpose, args, history, _HISTORY[1], new_step=new_step) * 1e3
+        for new_step in (True, False)
+    ]
     return times[0], times[1]
+
+
+def _cast_ms(
+    x: torch.Tensor,
+    aux: torch.Tensor | None,
+    transpose: bool,
+    args: argparse.Namespace,
+    history: torch.Tensor,
+    n_slots: int,
+    *,
+    new_step: bool,
+    config: tuple[int, int, int, int] | None = None,
+) -> float:
+    """Device milliseconds of one cast into slot ``n_slots - 1`` of ``history`` (scale 1)."""
+    scale = torch.ones(n_slots, device="cuda")
+    return kernel_ms(
+        lambda: cast_launch._launch(
+            x,
+            scale,
+            scale,
+            history,
+            n_slots - 1,
+            n_slots,
+            torch.float8_e4m3fn,
+            transpose,
+            snapshot=False,
+            new_step=new_step,
+            column_sums=args.column_sums,
+            op=args.op,
+            aux=aux,
+            config=config,
+        ),
+        _CUDA,
+        5,
+        20,
+    )
 
 
 if __name__ == "__main__":
