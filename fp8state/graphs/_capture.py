@@ -173,9 +173,10 @@ def capture_all(
     fp8 = [m for module in modules for m in fp8_modules_of(module)]
     before = [(m.fp8_graphed, m.fp8_recipe, dict(m.fp8_weight_cache)) for m in fp8]
     for m in fp8:
-        # The graphs' recipe now, as the warm-up's scale update would make it: a longer
-        # window grows the buffers here, before the snapshot and the capture take them.
-        m.fp8_recipe = ctx.recipe
+        if ctx.enabled or ctx.calibrating:
+            # The graphs' recipe now, as the warm-up's scale update would make it: a longer
+            # window grows the buffers here, before the snapshot and the capture take them.
+            m.fp8_recipe = ctx.recipe
         # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs'
         # own (fp8state.backends.GRAPHED_MIN_GEMM_MACS); the warm-up runs what is captured.
         set_plain_attr(m, "fp8_graphed", True)
