@@ -46,7 +46,6 @@ the same process (> 1: FP8 is faster):
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import time
 import traceback
@@ -61,6 +60,7 @@ from record import report
 from torch import nn
 
 import fp8state
+from fp8state.graphs._capture import _collector_paused
 
 SWEEP = [(m, k, k) for m in (2048, 4096, 8192) for k in (1024, 2048, 4096, 8192)]
 MODEL = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 16}
@@ -163,13 +163,9 @@ def graphed(step: Callable[[], None]) -> Callable[[], None]:
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    gc.collect()  # a graph the collector frees mid-capture fails it (docs/graphs.md)
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    finally:
-        gc.enable()
+    # A graph the collector frees mid-capture fails it: the library's own guard (graphs.md).
+    with _collector_paused(), torch.cuda.graph(graph):
+        step()
     return graph.replay
 
 
