@@ -355,10 +355,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to test the script")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip", nargs="*", default=[], choices=["sweep", "model", "host"])
+    parser.add_argument(
+        "--shapes", nargs="*", default=None, help="sweep only these MxKxN (default: all twelve)"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     args.warmup, args.blocks = (1, 2) if args.quick else (5, 10)
     args.sweep = [(64, 32, 32)] if args.quick else SWEEP
+    if args.shapes:
+        args.sweep = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes]
     args.model = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
     args.tokens = 32 if args.quick else 2048
     args.host_shape = HOST_SHAPE
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python benchmarks/training_loop.py"
         + (" --quick" if args.quick else "")
-        + (" --skip " + " ".join(args.skip) if args.skip else ""),
+        + (" --skip " + " ".join(args.skip) if args.skip else "")
+        + (" --shapes " + " ".join(args.shapes) if args.shapes else ""),
     }
     report(result, args.out)
     return result

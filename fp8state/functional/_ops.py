@@ -15,6 +15,7 @@ Inductor calls the operators as they are: fp8state's Triton kernels run inside t
 re-lowered nor compiled again; the FP8 GEMM too (``fp8state::gemm``).
 """
 
+import warnings
 from typing import cast
 
 import torch
@@ -128,6 +129,32 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     return x.dtype if op == "identity" else torch.float32
 
 
+def warn_if_recorded_every_step(device: torch.device) -> None:
+    """Warn where Inductor compiles casts on ``device`` into partitioned CUDA graphs.
+
+    ``mode="reduce-overhead"`` with Inductor's default ``graph_partition``: the operators stay
+    outside CUDA graphs (their Python runs every step), and torch 2.11 records the graphs
+    between them again at every step instead of replaying them; on an H200 a step took 3.5
+    times as long as without partitions, where Inductor runs such graphs without CUDA graphs
+    (docs/compile.md, Limits).
+    """
+    import torch._inductor.config as inductor_config  # imported by the compile calling this
+
+    if device.type != "cuda" or not inductor_config.triton.cudagraphs:
+        return
+    if not getattr(inductor_config, "graph_partition", False):
+        return
+    warnings.warn(
+        "fp8state FP8 casts in a graph compiled with mode='reduce-overhead': Inductor splits "
+        "the graph around them into CUDA graphs that torch records again at every step, "
+        "several times slower than mode='default'. Use fp8state.make_graphed_callables for "
+        "CUDA graphs with FP8 GEMMs, compile in the default mode, or set "
+        "torch._inductor.config.graph_partition = False (docs/compile.md, Limits).",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
 def _cast_fake(
     x: torch.Tensor,
     handle: torch.Tensor,
@@ -143,6 +170,7 @@ def _cast_fake(
     backend: str,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    warn_if_recorded_every_step(x.device)  # traced inside Inductor's compile: its settings
     rows, cols = x.shape
     x_fp8 = x.new_empty((rows, cols), dtype=fp8_dtype)
     x_fp8_t = x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)

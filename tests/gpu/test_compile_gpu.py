@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
 import fp8state
@@ -122,3 +123,14 @@ def test_fp8_autocast_inside_the_compiled_step() -> None:
             c.fp8_meta("fwd").scale, e.fp8_meta("fwd").scale, rtol=0.05, atol=0
         )
         assert torch.count_nonzero(c.fp8_meta("fwd").amax_history[:STEPS].sum(1)) == STEPS
+
+
+def test_reduce_overhead_mode_warns_that_its_graphs_are_recorded_every_step() -> None:
+    # Partitioned CUDA graphs around fp8state's operators are recorded again at every step
+    # (docs/compile.md, Limits): the compile says so instead of running silently slow.
+    torch._dynamo.reset()
+    model = _model()
+    forward = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with inductor_config.patch(graph_partition=True):
+        with pytest.warns(UserWarning, match="mode='reduce-overhead'"):
+            _train(model, forward, _inputs()[:1])
