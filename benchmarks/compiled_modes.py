@@ -11,7 +11,7 @@ its modules marked ``fp8_graphed`` (every GEMM of the model in FP8), each agains
 ``bf16 time / fp8state time`` (key ``compiled_modes_1x2048``). A mode that fails records
 its error. Each step runs as a training loop's does: gradients dropped after it
 (``zero_grad(set_to_none=True)``; accumulated across steps, they fail ``reduce-overhead`` for
-bf16 too) and the input without a gradient of its own. ``--layers N`` builds N layers
+bf16 too), and the model's input keeps no gradient of its own. ``--layers N`` builds N layers
 instead of 16 (the key then names them). ``--quick`` (tiny model, default mode, CPU too)
 tests the script.
 """
@@ -32,11 +32,12 @@ MODES = ("default", "reduce-overhead")
 
 
 def _loop_step(model: torch.nn.Module, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` as a training loop runs it: a new iteration for Inductor's CUDA graphs, and
-    the gradients dropped afterwards (``zero_grad(set_to_none=True)``).
+    """``step`` as a training loop runs it: a new iteration, then ``zero_grad``.
 
-    Gradients accumulated across steps fail ``reduce-overhead`` for bf16 as well: the first
-    step's gradients are outputs of a CUDA graph that the next replay overwrites.
+    ``cudagraph_mark_step_begin`` first, the gradients dropped afterwards
+    (``zero_grad(set_to_none=True)``): with gradients accumulated across steps,
+    ``reduce-overhead`` fails for bf16 as well ("accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run", ``reduce_overhead_probe.py steady``).
     """
 
     def run() -> None:
@@ -49,7 +50,8 @@ def _loop_step(model: torch.nn.Module, step: Callable[[], None]) -> Callable[[],
 
 def measure(mode: str, device: torch.device, args) -> dict[str, float | str]:
     """bf16 time / fp8state time in ``mode``, for both FP8 thresholds."""
-    # The first layer's input as an embedding's output is: no gradient of its own kept.
+    # The first layer's input as an embedding's output is: no gradient of its own kept
+    # (whether a leaf input that requires one also fails the mode is not settled).
     x = torch.randn(1, args.tokens, args.model["hidden"], device=device, dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     plain = build_model(False, device, **args.model)

@@ -3,7 +3,7 @@
 Usage (CUDA)::
 
     python benchmarks/reduce_overhead_probe.py steady [--layers 16] [--input-grad]
-    python benchmarks/reduce_overhead_probe.py trace
+    TORCH_LOGS="perf_hints,cudagraphs" python benchmarks/reduce_overhead_probe.py trace
 
 fp8state's operators carry ``torch.Tag.cudagraph_unsafe`` (their Python must run every
 step), so Inductor either splits a graph around them into several CUDA graphs (its default,
@@ -19,7 +19,10 @@ first-layer input that keeps no gradient (an embedding's output), and call
 - ``trace``: the synchronized wall time of each of the first steps (the first compiles), and
   Inductor's counters (partitions, recordings), with partitions on and off; for the first
   case, one more step profiled: ``CUDAGraphNode.record`` in it means CUDA graphs recorded
-  again rather than replayed.
+  again rather than replayed. ``TORCH_LOGS`` as above logs the partitions and, for each
+  recording again, its reason.
+
+Each case builds its model and input afresh (a case that fails leaves nothing to the next).
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ def _compiled_step(fp8: bool, every: bool, layers: int, drop: bool, x, grad):
 
 
 def steady(layers: int, input_grad: bool) -> None:
-    """Steady-state milliseconds per step (or the error) per case."""
-    x, grad = _inputs(input_grad)
+    """Print steady-state milliseconds per step (or the error) per case.
+
+    Args:
+        layers: The model's layers.
+        input_grad: Make the input a leaf that requires a gradient.
+    """
     cases = [
         ("bf16 accumulate", False, False, False),
         ("bf16 zeroed", False, False, True),
@@ -72,6 +79,7 @@ def steady(layers: int, input_grad: bool) -> None:
     ]
     for name, fp8, every, drop in cases:
         torch._dynamo.reset()
+        x, grad = _inputs(input_grad)
         run = _compiled_step(fp8, every, layers, drop, x, grad)
         try:
             started = time.time()
@@ -87,20 +95,20 @@ def steady(layers: int, input_grad: bool) -> None:
 
 
 def trace() -> None:
-    """Per-step wall times and Inductor's counters, partitions on and off."""
-    x, grad = _inputs()
-    trial = _trial_runner(x, grad)
+    """Print per-step wall times and Inductor's counters, partitions on and off."""
+    trial = _trial_runner()
     trial("fp8 every GEMM", True, True, True, profiled=True)
     trial("fp8 every GEMM", True, True, False)
     trial("bf16", False, False, True)
     trial("fp8 every GEMM (4 layers)", True, True, True, layers=4, steps=5)
 
 
-def _trial_runner(x, grad):
+def _trial_runner():
     def trial(label, fp8, every, partition, layers=2, steps=8, profiled=False) -> None:
         torch._dynamo.reset()
         counters.clear()
         inductor_config.graph_partition = partition
+        x, grad = _inputs()
         run = _compiled_step(fp8, every, layers, True, x, grad)
         times = []
         for _ in range(steps):

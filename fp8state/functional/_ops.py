@@ -19,6 +19,7 @@ import warnings
 from typing import cast
 
 import torch
+import torch._inductor.config as inductor_config
 
 from fp8state import autocast
 from fp8state._runtime import handles, microbatch
@@ -132,24 +133,28 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
 def warn_if_recorded_every_step(device: torch.device) -> None:
     """Warn where Inductor compiles casts on ``device`` into partitioned CUDA graphs.
 
-    ``mode="reduce-overhead"`` with Inductor's default ``graph_partition``: the operators stay
-    outside CUDA graphs (their Python runs every step), and torch 2.11 records the graphs
-    between them again at every step instead of replaying them; on an H200 a step took 3.5
-    times as long as without partitions, where Inductor runs such graphs without CUDA graphs
+    That is a mode with CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) and Inductor's
+    default ``graph_partition``: the operators stay outside the CUDA graphs (their Python
+    runs every step), and the backward's graphs take the FP8 operands that the forward's
+    casts made, at new addresses every step, as static inputs, so torch records them again
+    at every step instead of replaying them: on an H200 a step took 3.5 times as long as
+    without partitions, where Inductor runs such graphs without CUDA graphs
     (docs/compile.md, Limits).
-    """
-    import torch._inductor.config as inductor_config  # imported by the compile calling this
 
+    Args:
+        device: The device of the tensor being cast.
+    """
     if device.type != "cuda" or not inductor_config.triton.cudagraphs:
         return
     if not getattr(inductor_config, "graph_partition", False):
         return
     warnings.warn(
-        "fp8state FP8 casts in a graph compiled with mode='reduce-overhead': Inductor splits "
-        "the graph around them into CUDA graphs that torch records again at every step, "
-        "several times slower than mode='default'. Use fp8state.make_graphed_callables for "
-        "CUDA graphs with FP8 GEMMs, compile in the default mode, or set "
-        "torch._inductor.config.graph_partition = False (docs/compile.md, Limits).",
+        "fp8state FP8 casts in a graph compiled with CUDA graphs (mode='reduce-overhead' or "
+        "'max-autotune'): Inductor splits the graph around them into CUDA graphs that torch "
+        "records again at every step, several times slower than without partitions. Use "
+        "fp8state.make_graphed_callables for CUDA graphs with FP8 GEMMs, compile in the "
+        "default mode, or set torch._inductor.config.graph_partition = False "
+        "(docs/compile.md, Limits).",
         UserWarning,
         stacklevel=2,
     )
@@ -170,7 +175,9 @@ def _cast_fake(
     backend: str,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    warn_if_recorded_every_step(x.device)  # traced inside Inductor's compile: its settings
+    # Dynamo calls this first with Inductor's default settings; Inductor's own trace then
+    # calls it again under the compiling mode's settings, which decide the warning.
+    warn_if_recorded_every_step(x.device)
     rows, cols = x.shape
     x_fp8 = x.new_empty((rows, cols), dtype=fp8_dtype)
     x_fp8_t = x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)

@@ -16,6 +16,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 import fp8state
+import fp8state.functional._ops as fp8_ops
 from fp8state.functional._ops import warn_if_recorded_every_step
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
@@ -30,7 +31,7 @@ def _warnings(device: torch.device, **settings: bool) -> list[str]:
 
 def test_partitioned_cuda_graphs_of_cuda_casts_warn() -> None:
     (message,) = _warnings(CUDA, **{"triton.cudagraphs": True, "graph_partition": True})
-    assert "reduce-overhead" in message
+    assert "reduce-overhead" in message and "max-autotune" in message
     assert "make_graphed_callables" in message and "graph_partition = False" in message
 
 
@@ -47,6 +48,25 @@ def test_no_warning_without_partitioned_cuda_graphs(
 ) -> None:
     settings = {"triton.cudagraphs": cudagraphs, "graph_partition": partition}
     assert _warnings(device, **settings) == []
+
+
+def test_the_casts_trace_asks_under_the_compiling_modes_settings(monkeypatch) -> None:
+    # The decision reads Inductor's settings, which the mode sets only while Inductor traces:
+    # the casts' trace must ask there, with the device of what it casts.
+    asked: list[tuple[str, bool]] = []
+
+    def spy(device: torch.device) -> None:
+        asked.append((device.type, bool(inductor_config.triton.cudagraphs)))
+
+    monkeypatch.setattr(fp8_ops, "warn_if_recorded_every_step", spy)
+    for mode, cudagraphs in (("default", False), ("reduce-overhead", True)):
+        torch._dynamo.reset()
+        asked.clear()
+        layer = fp8state.Linear(32, 32)
+        with fp8state.fp8_autocast():
+            torch.compile(layer, mode=mode, fullgraph=True)(torch.randn(16, 32)).sum().backward()
+        assert asked, mode
+        assert ("cpu", True) in asked if cudagraphs else all(not flag for _, flag in asked)
 
 
 def test_compiling_cpu_casts_in_reduce_overhead_mode_stays_silent() -> None:

@@ -131,6 +131,9 @@ def test_reduce_overhead_mode_warns_that_its_graphs_are_recorded_every_step() ->
     torch._dynamo.reset()
     model = _model()
     forward = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-    with inductor_config.patch(graph_partition=True):
-        with pytest.warns(UserWarning, match="mode='reduce-overhead'"):
-            _train(model, forward, _inputs()[:1])
+    try:
+        with inductor_config.patch(graph_partition=True):
+            with pytest.warns(UserWarning, match="mode='reduce-overhead'"):
+                _train(model, forward, _inputs()[:1])
+    finally:
+        torch._dynamo.reset()  # Inductor's CUDA graph trees too: nothing left to later tests
