@@ -102,10 +102,10 @@ def _script(script: str, *args: str, timeout: int) -> str:
     return proc.stdout
 
 
-def _quick_run(script: str, tmp_path, timeout: int) -> dict:
+def _quick_run(script: str, tmp_path, timeout: int, *args: str) -> dict:
     out = tmp_path / "result.json"
     out.write_text('{"earlier": 1}\n')  # --out merges its keys into what is there
-    _script(script, "--quick", "--device", "cpu", "--out", str(out), timeout=timeout)
+    _script(script, "--quick", "--device", "cpu", "--out", str(out), *args, timeout=timeout)
     result = json.loads(out.read_text())
     assert result.pop("earlier") == 1
     return result
@@ -125,6 +125,16 @@ def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
     assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
+
+
+def test_training_loop_sweeps_only_the_shapes_asked_for(tmp_path) -> None:
+    args = ("--skip", "model", "host", "--shapes", "48x32x16", "16x32x48")
+    result = _quick_run("training_loop.py", tmp_path, 300, *args)
+    assert list(result["sweep_speedup"]) == ["48x32x16", "16x32x48"]
+    assert set(result["sweep_context_ceiling"]) == {"48x32x16", "16x32x48"}
+    assert "model_h2048_speedup" not in result and "host_overhead_ratio" not in result
+    command = result["training_loop_run"]["command"]
+    assert command.endswith("--skip model host --shapes 48x32x16 16x32x48")
 
 
 def test_compiled_modes_benchmark_quick_run(tmp_path) -> None:
