@@ -39,8 +39,10 @@ CONFIGS = {
         (8, 512, 8, 1),
         (8, 256, 4, 1),
         (8, 256, 8, 2),
+        (8, 256, 8, 4),
+        (8, 256, 8, 8),
     ],
-    (True, False): [(bm, bn, w, sp) for bm, bn, w in _TILES for sp in (1, 2, 4, 8)],
+    (True, False): [(bm, bn, w, sp) for bm, bn, w in _TILES for sp in (1, 2, 4, 8, 16, 32)],
 }
 # With column sums the split is along the rows: 8-64 programs per column tile.
 _SUM_TILES = [
@@ -87,6 +89,12 @@ def main() -> None:
         "--column-sums",
         action="store_true",
         help="sweep the cast that also sums columns (a bias gradient)",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=None,
+        help="time only these BLOCK_MxBLOCK_NxWARPSxSPLIT configurations beside the default",
     )
     args = parser.parse_args()
     tokens, k, n = map(int, args.shape.split("x"))
@@ -200,6 +208,8 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         results = []
         default = default_config(m, n, transpose, args.op, args.column_sums)
         swept = [] if args.default_only else CONFIGS[transpose, args.column_sums]
+        if args.configs is not None:
+            swept = [tuple(int(v) for v in c.split("x")) for c in args.configs]
         for cfg in [default, *swept]:
             ms = _cast_ms(x, aux, transpose, args, cell, 1, new_step=False, config=cfg)
             results.append((ms, cfg))

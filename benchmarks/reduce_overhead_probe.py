@@ -5,8 +5,9 @@ Usage (CUDA)::
     python benchmarks/reduce_overhead_probe.py steady [--layers 16] [--input-grad]
     TORCH_LOGS="perf_hints,cudagraphs" python benchmarks/reduce_overhead_probe.py trace
 
-fp8state's operators carry ``torch.Tag.cudagraph_unsafe`` (their Python must run every
-step), so Inductor either splits a graph around them into several CUDA graphs (its default,
+fp8state's casts and FP8 GEMM carry ``torch.Tag.cudagraph_unsafe`` (the casts' Python must
+run every step, and their FP8 outputs are new memory every step), so Inductor either splits a
+graph around them into several CUDA graphs (its default,
 ``torch._inductor.config.graph_partition = True``) or, without partitions, runs that graph
 without CUDA graphs. Both parts compile ``training_loop.py``'s model in that mode, with a
 first-layer input that keeps no gradient (an embedding's output), and call

@@ -52,7 +52,10 @@ def default_config(
     36.7 against 50.8 at 2048x8192). Without the transpose, two programs per row block where
     there are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against
     30.7; 2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3
-    against 17.2).
+    against 17.2). Splits beyond eight, timed later on another lease: with the transpose,
+    sixteen programs per 64-row block at 2048 rows (2048x8192: 23.2 against 28.1 us;
+    2048x2048 alike, 7.3 and 7.4; 8192x2048 and 6144x2048 keep eight, which stayed the
+    fastest there); GELU without it, eight per row block (2048x8192: 22.4 against 24.5).
     """
     if column_sums:
         if op == "dgelu":
@@ -68,13 +71,15 @@ def default_config(
         split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
         return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
     if not transpose:
-        # Fewer than 512 row blocks: two programs share each row's columns.
+        # Fewer than 512 row blocks: two programs share each row's columns (GELU: eight).
         block_m, block_n, warps = 8, 256, 8
-        split = 1 if triton.cdiv(rows, block_m) >= 512 else 2
+        split = 1 if triton.cdiv(rows, block_m) >= 512 else 8 if op == "gelu" else 2
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
     else:
         block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
+        if op == "identity" and 2048 <= rows < 4096:
+            split = 16  # sixteen programs per row block at 2048 rows
     while block_m > 8 and triton.cdiv(rows, block_m) * split < 256:
         block_m //= 2
     return block_m, block_n, warps, max(1, min(split, triton.cdiv(cols, block_n)))

@@ -12,14 +12,17 @@ guards never see its Python state, and its buffers are never graph inputs that t
 would copy (functionalization) and write back later than the scale update reads them.
 
 Inductor calls the operators as they are: fp8state's Triton kernels run inside them, neither
-re-lowered nor compiled again; the FP8 GEMM too (``fp8state::gemm``).
+re-lowered nor compiled again; the FP8 GEMM too (``fp8state::gemm``). In a mode with CUDA
+graphs (``"reduce-overhead"``), Inductor runs the casts, the GEMM and a compiled context's
+exit between its CUDA graphs (``torch.Tag.cudagraph_unsafe``): the casts and the exit because
+their Python must run at every step, the GEMM because its FP8 operands come out of the casts
+at new addresses every step, and a backward CUDA graph holding it would take the operands the
+forward saved as static inputs, which torch records again at every step instead of replaying.
 """
 
-import warnings
 from typing import cast
 
 import torch
-import torch._inductor.config as inductor_config
 
 from fp8state import autocast
 from fp8state._runtime import handles, microbatch
@@ -130,36 +133,6 @@ def _sums_dtype(x: torch.Tensor, op: str) -> torch.dtype:
     return x.dtype if op == "identity" else torch.float32
 
 
-def warn_if_recorded_every_step(device: torch.device) -> None:
-    """Warn where Inductor compiles casts on ``device`` into partitioned CUDA graphs.
-
-    That is a mode with CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) and Inductor's
-    default ``graph_partition``: the operators stay outside the CUDA graphs (their Python
-    runs every step), and the backward's graphs take the FP8 operands that the forward's
-    casts made, at new addresses every step, as static inputs, so torch records them again
-    at every step instead of replaying them: on an H200 a step took 3.5 times as long as
-    without partitions, where Inductor runs such graphs without CUDA graphs
-    (docs/compile.md, Limits).
-
-    Args:
-        device: The device of the tensor being cast.
-    """
-    if device.type != "cuda" or not inductor_config.triton.cudagraphs:
-        return
-    if not getattr(inductor_config, "graph_partition", False):
-        return
-    warnings.warn(
-        "fp8state FP8 casts in a graph compiled with CUDA graphs (mode='reduce-overhead' or "
-        "'max-autotune'): Inductor splits the graph around them into CUDA graphs that torch "
-        "records again at every step, several times slower than without partitions. Use "
-        "fp8state.make_graphed_callables for CUDA graphs with FP8 GEMMs, compile in the "
-        "default mode, or set torch._inductor.config.graph_partition = False "
-        "(docs/compile.md, Limits).",
-        UserWarning,
-        stacklevel=2,
-    )
-
-
 def _cast_fake(
     x: torch.Tensor,
     handle: torch.Tensor,
@@ -175,9 +148,6 @@ def _cast_fake(
     backend: str,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Dynamo calls this first with Inductor's default settings; Inductor's own trace then
-    # calls it again under the compiling mode's settings, which decide the warning.
-    warn_if_recorded_every_step(x.device)
     rows, cols = x.shape
     x_fp8 = x.new_empty((rows, cols), dtype=fp8_dtype)
     x_fp8_t = x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)
@@ -262,6 +232,8 @@ def _gemm(
 
     Inductor's own lowering of ``torch._scaled_mm`` fails on operands that come out of an
     operator (torch 2.11, ``max-autotune``), and would not be faster: cuBLAS runs either way.
+    Outside CUDA graphs, as the casts: a backward graph that multiplied the FP8 operands the
+    forward's casts saved would take them as static inputs, at new addresses every step.
     """
     out, _ = fp8_gemm(a, a_inv, b, b_inv, out_dtype, backend, bias=bias, fast_accum=fast_accum)
     return out
@@ -286,6 +258,7 @@ gemm_op = define(
     "Tensor? bias, bool fast_accum) -> Tensor",
     _gemm,
     _gemm_fake,
+    TAGS,
 )
 
 
