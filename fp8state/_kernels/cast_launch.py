@@ -52,10 +52,10 @@ def default_config(
     36.7 against 50.8 at 2048x8192). Without the transpose, two programs per row block where
     there are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against
     30.7; 2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3
-    against 17.2). Splits beyond eight, timed later on another lease: with the transpose,
-    sixteen programs per 64-row block at 2048 rows (2048x8192: 23.2 against 28.1 us;
-    2048x2048 alike, 7.3 and 7.4; 8192x2048 and 6144x2048 keep eight, which stayed the
-    fastest there); GELU without it, eight per row block (2048x8192: 22.4 against 24.5).
+    against 17.2). More programs per row block at 2048 rows, timed on a later lease
+    (``--cast-shape 2048xN [--op gelu] --configs ...``, each beside the one it replaced):
+    with the transpose, sixteen per 64-row block (2048x8192: 23.1 against 28.2 us; 2048x2048
+    alike, 7.3 both); GELU without it, eight (2048x8192: 22.5 against 24.5).
     """
     if column_sums:
         if op == "dgelu":

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fp8state
-from fp8state._runtime.context_stack import TAGS  # imported first: defines autocast_exit
-from fp8state.functional import _ops  # noqa: F401  (defines the operators)
+from fp8state._runtime.context_stack import TAGS  # its module defines autocast_exit
+from fp8state.functional import _ops  # noqa: F401  (defines the other operators)
 
 UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)
 
