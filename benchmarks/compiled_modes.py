@@ -51,7 +51,7 @@ def _loop_step(model: torch.nn.Module, step: Callable[[], None]) -> Callable[[],
 def measure(mode: str, device: torch.device, args) -> dict[str, float | str]:
     """bf16 time / fp8state time in ``mode``, for both FP8 thresholds."""
     # The first layer's input as an embedding's output is: no gradient of its own kept
-    # (whether a leaf input that requires one also fails the mode is not settled).
+    # (a leaf input that requires one runs too: reduce_overhead_probe.py --input-grad).
     x = torch.randn(1, args.tokens, args.model["hidden"], device=device, dtype=torch.bfloat16)
     grad = torch.randn_like(x)
     plain = build_model(False, device, **args.model)

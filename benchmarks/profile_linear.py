@@ -94,9 +94,17 @@ def main() -> None:
         "--configs",
         nargs="*",
         default=None,
-        help="time only these BLOCK_MxBLOCK_NxWARPSxSPLIT configurations beside the default",
+        help="time these BLOCK_MxBLOCK_NxWARPSxSPLIT configurations beside the default, "
+        "instead of the sweep's (--default-only then has no effect)",
     )
     args = parser.parse_args()
+    if args.configs is not None:
+        try:
+            args.configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
+        except ValueError:
+            parser.error("--configs takes BLOCK_MxBLOCK_NxWARPSxSPLIT, four integers each")
+        if any(len(c) != 4 for c in args.configs):
+            parser.error("--configs takes BLOCK_MxBLOCK_NxWARPSxSPLIT, four integers each")
     tokens, k, n = map(int, args.shape.split("x"))
     if not args.sweep_only:
         profile_step(args, tokens, k, n)
@@ -209,7 +217,7 @@ def sweep(args: argparse.Namespace, m: int, n: int) -> None:
         default = default_config(m, n, transpose, args.op, args.column_sums)
         swept = [] if args.default_only else CONFIGS[transpose, args.column_sums]
         if args.configs is not None:
-            swept = [tuple(int(v) for v in c.split("x")) for c in args.configs]
+            swept = args.configs
         for cfg in [default, *swept]:
             ms = _cast_ms(x, aux, transpose, args, cell, 1, new_step=False, config=cfg)
             results.append((ms, cfg))

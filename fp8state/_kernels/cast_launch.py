@@ -42,8 +42,9 @@ def default_config(
     TB/s, against 2.0 for 16 of 16).
 
     Tensors of 2048 rows (a 2048-token step, the 16-layer model's; ``--cast-shape 2048xN``):
-    with the transpose, 64-row blocks beat 32-row ones though only 256 programs run (7.3
-    against 9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192). Column sums: at most one
+    with the transpose, 64-row blocks beat 32-row ones though only 256 programs ran (7.3
+    against 9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192; sixteen per row block
+    since, below). Column sums: at most one
     program per 16 row blocks of a column tile, and no fewer than eight, before the
     narrow-tensor rule (with the transpose, 21.2 against 32.2 us at 2048x6144 and 32.1
     against more than 34.8 at 4096x4096 with eight programs instead of 32 and 16; 10.7
@@ -55,7 +56,8 @@ def default_config(
     against 17.2). More programs per row block at 2048 rows, timed on a later lease
     (``--cast-shape 2048xN [--op gelu] --configs ...``, each beside the one it replaced):
     with the transpose, sixteen per 64-row block (2048x8192: 23.1 against 28.2 us; 2048x2048
-    alike, 7.3 both); GELU without it, eight (2048x8192: 22.5 against 24.5).
+    alike, 7.3 both); GELU without it, eight (2048x8192: 22.5 against 24.5). Other row counts
+    keep the splits above.
     """
     if column_sums:
         if op == "dgelu":
@@ -71,15 +73,20 @@ def default_config(
         split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
         return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
     if not transpose:
-        # Fewer than 512 row blocks: two programs share each row's columns (GELU: eight).
+        # Fewer than 512 row blocks: two programs share each row's columns; GELU's cast at
+        # 2048 rows, eight (22.5 against 24.5 us at 2048x8192; other sizes not timed).
         block_m, block_n, warps = 8, 256, 8
-        split = 1 if triton.cdiv(rows, block_m) >= 512 else 8 if op == "gelu" else 2
+        split = 1 if triton.cdiv(rows, block_m) >= 512 else 2
+        if op == "gelu" and 2048 <= rows < 4096:
+            split = 8
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
     else:
         block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
         if op == "identity" and 2048 <= rows < 4096:
-            split = 16  # sixteen programs per row block at 2048 rows
+            # Sixteen at 2048 rows: 512 programs instead of 256 (23.1 against 28.2 us at
+            # 2048x8192, alike at 2048x2048); other row counts not timed with sixteen.
+            split = 16
     while block_m > 8 and triton.cdiv(rows, block_m) * split < 256:
         block_m //= 2
     return block_m, block_n, warps, max(1, min(split, triton.cdiv(cols, block_n)))

@@ -40,8 +40,9 @@ __all__ = [
 #: Mutated by every fp8state operator of a compiled forward graph: their order is the
 #: program's (a backward graph's casts use a token of their own).
 TOKEN = torch.zeros(())
-#: Graphs that CUDA graphs replay would skip the operators' Python: Inductor keeps operators
-#: with this tag out of them (where the tag exists).
+#: Graphs that CUDA graphs replay would skip the operators' Python, and would take the FP8
+#: operands the casts make (new memory every step) as static inputs, recorded again at every
+#: step: Inductor keeps operators with this tag out of them (where the tag exists).
 TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
