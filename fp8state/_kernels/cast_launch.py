@@ -42,22 +42,20 @@ def default_config(
     TB/s, against 2.0 for 16 of 16).
 
     Tensors of 2048 rows (a 2048-token step, the 16-layer model's; ``--cast-shape 2048xN``):
-    with the transpose, 64-row blocks beat 32-row ones though only 256 programs ran (7.3
-    against 9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192; sixteen per row block
-    since, below). Column sums: at most one
-    program per 16 row blocks of a column tile, and no fewer than eight, before the
-    narrow-tensor rule (with the transpose, 21.2 against 32.2 us at 2048x6144 and 32.1
-    against more than 34.8 at 4096x4096 with eight programs instead of 32 and 16; 10.7
+    with the transpose, 64-row blocks beat 32-row ones though only 256 programs ran (7.3 against
+    9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192; sixteen per row block since, below).
+    Column sums: at most one program per 16 row blocks of a column tile, and no fewer than
+    eight, before the narrow-tensor rule (with the transpose, 21.2 against 32.2 us at 2048x6144
+    and 32.1 against more than 34.8 at 4096x4096 with eight programs instead of 32 and 16; 10.7
     against 13.6 at 2048x2048, where the narrow rule makes it sixteen; at 8192x4096, 16, where
-    eight and 32 measured alike, 58.3 and 58.5; GELU's derivative without the transpose,
-    36.7 against 50.8 at 2048x8192). Without the transpose, two programs per row block where
-    there are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against
-    30.7; 2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3
-    against 17.2). More programs per row block at 2048 rows, timed on a later lease
-    (``--cast-shape 2048xN [--op gelu] --configs ...``, each beside the one it replaced):
-    with the transpose, sixteen per 64-row block (2048x8192: 23.1 against 28.2 us; 2048x2048
-    alike, 7.3 both); GELU without it, eight (2048x8192: 22.5 against 24.5). Other row counts
-    keep the splits above.
+    eight and 32 measured alike, 58.3 and 58.5; GELU's derivative without the transpose, 36.7
+    against 50.8 at 2048x8192). Without the transpose, two programs per row block where there
+    are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against 30.7;
+    2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3 against
+    17.2). More programs per row block at 2048 rows, timed on a later lease (``--cast-shape
+    2048xN [--op gelu] --configs ...``, each beside the one it replaced): with the transpose,
+    sixteen per 64-row block (2048x8192: 23.1 against 28.2 us; 2048x2048 alike, 7.3 both); GELU
+    without it, eight (2048x8192: 22.5 against 24.5). Other row counts keep the splits above.
     """
     if column_sums:
         if op == "dgelu":
