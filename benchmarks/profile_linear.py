@@ -62,6 +62,17 @@ CONFIGS[False, True] = CONFIGS[True, True] = [
 ]
 
 
+def _config(text: str) -> tuple[int, int, int, int]:
+    """``"64x128x4x16"`` -> ``(64, 128, 4, 16)``: a ``--configs`` entry."""
+    try:
+        block_m, block_n, warps, split = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: BLOCK_MxBLOCK_NxWARPSxSPLIT, four integers"
+        ) from None
+    return block_m, block_n, warps, split
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="16384x4096x4096")
@@ -93,18 +104,12 @@ def main() -> None:
     parser.add_argument(
         "--configs",
         nargs="*",
+        type=_config,
         default=None,
         help="time these BLOCK_MxBLOCK_NxWARPSxSPLIT configurations beside the default, "
         "instead of the sweep's (--default-only then has no effect)",
     )
     args = parser.parse_args()
-    if args.configs is not None:
-        try:
-            args.configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
-        except ValueError:
-            parser.error("--configs takes BLOCK_MxBLOCK_NxWARPSxSPLIT, four integers each")
-        if any(len(c) != 4 for c in args.configs):
-            parser.error("--configs takes BLOCK_MxBLOCK_NxWARPSxSPLIT, four integers each")
     tokens, k, n = map(int, args.shape.split("x"))
     if not args.sweep_only:
         profile_step(args, tokens, k, n)

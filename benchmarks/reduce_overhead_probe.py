@@ -15,7 +15,7 @@ first-layer input that keeps no gradient (an embedding's output), and call
 
 - ``steady``: milliseconds per step in steady state (:func:`hopper.steady_pair_ms`, after six
   steps), or the error, for bf16 and fp8state (the eager threshold, and every GEMM in FP8),
-  with gradients accumulated across steps or dropped after each (``grad = None``);
+  with gradients accumulated across steps or dropped after each (``zero_grad``);
   ``--input-grad``: the input a leaf that requires a gradient (dropped with the others).
 - ``trace``: the synchronized wall time of each of the first steps (the first compiles), and
   Inductor's counters (partitions, recordings), with partitions on and off; for the first
@@ -57,8 +57,7 @@ def _compiled_step(fp8: bool, every: bool, layers: int, drop: bool, x, grad):
         torch.compiler.cudagraph_mark_step_begin()
         step()
         if drop:
-            for p in model.parameters():
-                p.grad = None
+            model.zero_grad(set_to_none=True)
             x.grad = None
 
     return run
@@ -97,37 +96,33 @@ def steady(layers: int, input_grad: bool) -> None:
 
 def trace() -> None:
     """Print per-step wall times and Inductor's counters, partitions on and off."""
-    trial = _trial_runner()
-    trial("fp8 every GEMM", True, True, True, profiled=True)
-    trial("fp8 every GEMM", True, True, False)
-    trial("bf16", False, False, True)
-    trial("fp8 every GEMM (4 layers)", True, True, True, layers=4, steps=5)
+    _trial("fp8 every GEMM", True, True, True, profiled=True)
+    _trial("fp8 every GEMM", True, True, False)
+    _trial("bf16", False, False, True)
+    _trial("fp8 every GEMM (4 layers)", True, True, True, layers=4, steps=5)
 
 
-def _trial_runner():
-    def trial(label, fp8, every, partition, layers=2, steps=8, profiled=False) -> None:
-        torch._dynamo.reset()
-        counters.clear()
-        inductor_config.graph_partition = partition
-        x, grad = _inputs()
-        run = _compiled_step(fp8, every, layers, True, x, grad)
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
+def _trial(label, fp8, every, partition, layers=2, steps=8, profiled=False) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    inductor_config.graph_partition = partition
+    x, grad = _inputs()
+    run = _compiled_step(fp8, every, layers, True, x, grad)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(round((time.perf_counter() - start) * 1e3, 1))
+    print(label, "partition", partition, "ms per step:", times, flush=True)
+    kept = {k: dict(v) for k, v in counters.items() if k in ("inductor", "stats")}
+    print("   counters:", kept, flush=True)
+    if profiled:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
             torch.cuda.synchronize()
-            times.append(round((time.perf_counter() - start) * 1e3, 1))
-        print(label, "partition", partition, "ms per step:", times, flush=True)
-        kept = {k: dict(v) for k, v in counters.items() if k in ("inductor", "stats")}
-        print("   counters:", kept, flush=True)
-        if profiled:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                run()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-
-    return trial
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:

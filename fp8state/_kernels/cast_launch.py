@@ -70,18 +70,19 @@ def default_config(
         # Narrow tensors: more programs per tile, so that there are some 512 in all.
         split = max(split, triton.cdiv(512, triton.cdiv(cols, block_n)))
         return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
+    at_2048_rows = 2048 <= rows < 4096  # the 2048-row splits below were timed there only
     if not transpose:
         # Fewer than 512 row blocks: two programs share each row's columns; GELU's cast at
         # 2048 rows, eight (22.5 against 24.5 us at 2048x8192; other sizes not timed).
         block_m, block_n, warps = 8, 256, 8
         split = 1 if triton.cdiv(rows, block_m) >= 512 else 2
-        if op == "gelu" and 2048 <= rows < 4096:
+        if op == "gelu" and at_2048_rows:
             split = 8
     elif op == "gelu":
         block_m, block_n, warps, split = 32, 64, 8, 8
     else:
         block_m, block_n, warps, split = 64, 128, 8 if op == "dgelu" else 4, 8
-        if op == "identity" and 2048 <= rows < 4096:
+        if op == "identity" and at_2048_rows:
             # Sixteen at 2048 rows: 512 programs instead of 256 (23.1 against 28.2 us at
             # 2048x8192, alike at 2048x2048); other row counts not timed with sixteen.
             split = 16

@@ -154,7 +154,8 @@ def test_reduce_overhead_replays_its_cuda_graphs_and_agrees_with_eager(monkeypat
                 # Gradients accumulated across steps would read a CUDA graph's overwritten
                 # output (bf16 fails so too): dropped after each step, as for the mode.
                 compiled.zero_grad(set_to_none=True)
-                settled = len(recordings) if i == 2 else settled
+                if i == 2:
+                    settled = len(recordings)
     finally:
         torch._dynamo.reset()  # Inductor's CUDA graph trees too: nothing left to later tests
     assert settled > 0  # the mode recorded CUDA graphs in its first steps
