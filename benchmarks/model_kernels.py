@@ -5,9 +5,9 @@ Usage (CUDA): ``python benchmarks/model_kernels.py [--tokens 2048] [--top 25]``.
 With the host out of the step (CUDA graphs), a step costs the sum of its kernels. This lists
 them for one fwd+bwd of ``training_loop.py``'s model: fp8state's layers marked
 ``fp8_graphed`` (every GEMM in FP8, as the graphed benchmark runs them), the floor's layers
-(``host_floor.FloorLinear``: one cast per operand, no amax, operands laid out beforehand)
-and ``torch.nn``'s in bf16. Per model: kernels launched, their summed GPU time, and the
-kernels by summed time (torch.profiler, CUDA activity), with their counts.
+(``host_floor.FloorLinear``: one cast per operand, no amax, transposed operands laid out
+beforehand) and ``torch.nn``'s in bf16. Per model: kernels launched, their summed GPU time,
+and the kernels by summed time (torch.profiler, CUDA activity), with their counts.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- h200 table -->", "<!-- /h200 table -->"
 
 # (label, key in the JSON, sub-key or None, comparison, target): the H200 performance targets.
+# A floor row holds the best any implementation reaches (the benchmark's docstring says how
+# each is measured): where it misses its target, so must every implementation. Sub-key
+# "min": the worst case of a map; a tuple of keys: per case the best of those maps.
 ROWS = [
     ("Linear 16384x4096x4096, speedup vs bf16", "linear_speedup", "16384x4096x4096", ">=", 1.5),
     ("Linear 16384x4096x16384, speedup", "linear_speedup", "16384x4096x16384", ">=", 1.78),
@@ -38,9 +41,23 @@ ROWS = [
     ("amax reduction + scale update, 1000 modules, ms", "scale_update_ms", None, "<=", 1),
     ("Linear sweep (12 shapes, eager), lowest speedup", "sweep_speedup", "min", ">=", 1.0),
     (
+        "sweep floor: per shape the better of the least FP8 step and the context ceiling, lowest",
+        ("sweep_floor", "sweep_context_ceiling"),
+        "min",
+        ">=",
+        1.0,
+    ),
+    (
         "16-layer h2048, 1x2048 tokens, eager, speedup",
         "model_h2048_speedup",
         "eager_1x2048",
+        ">=",
+        1.1,
+    ),
+    (
+        "floor: 16-layer h2048, 1x2048 tokens, eager, the least FP8 layers",
+        "model_h2048_speedup",
+        "floor_eager_1x2048",
         ">=",
         1.1,
     ),
@@ -52,6 +69,13 @@ ROWS = [
         1.45,
     ),
     (
+        "floor: 16-layer h2048, 4x2048 tokens, eager, the least FP8 layers",
+        "model_h2048_speedup",
+        "floor_eager_4x2048",
+        ">=",
+        1.45,
+    ),
+    (
         "16-layer h2048, 1x2048, whole step graphed vs bf16 graphed",
         "model_h2048_speedup",
         "graphed_1x2048",
@@ -59,9 +83,23 @@ ROWS = [
         1.25,
     ),
     (
+        "floor: 16-layer h2048, 1x2048, whole step graphed, the least FP8 layers",
+        "model_h2048_speedup",
+        "floor_graphed_1x2048",
+        ">=",
+        1.25,
+    ),
+    (
         "16-layer h2048, 1x2048, compiled vs bf16 compiled",
         "model_h2048_speedup",
         "compiled_1x2048",
+        ">=",
+        1.25,
+    ),
+    (
+        "floor: 16-layer h2048, 1x2048, compiled, the least FP8 layers",
+        "model_h2048_speedup",
+        "floor_compiled_1x2048",
         ">=",
         1.25,
     ),
@@ -106,7 +144,9 @@ def table(result: dict) -> str:
         "| --- | --- | --- | --- |",
     ]
     for label, key, sub, op, target in ROWS:
-        if sub is None:
+        if isinstance(key, tuple):  # per case the best of several maps, then the worst case
+            value = min(max(result[k][case] for k in key) for case in result[key[0]])
+        elif sub is None:
             value = result[key]
         elif sub == "min":  # the worst case of a map of cases
             value = min(result[key].values())
@@ -115,7 +155,8 @@ def table(result: dict) -> str:
         met = value >= target if op == ">=" else value <= target
         lines.append(f"| {label} | {value} | {op} {target} | {'yes' if met else 'no'} |")
     # Keys recorded by another script carry their own command, or are listed in its runs.
-    others = sorted({key for _, key, _, _, _ in ROWS if isinstance(result[key], dict)})
+    keys = {key for _, key, _, _, _ in ROWS if isinstance(key, str)}
+    others = sorted(key for key in keys if isinstance(result[key], dict))
     others = [key for key in others if "command" in result[key]]
     runs = result.get("training_loop_runs", [])
     if others or runs:

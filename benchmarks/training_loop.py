@@ -23,17 +23,19 @@ the same process (> 1: FP8 is faster):
   (the graphed default threshold), as ``make_graphed_callables`` marks its own.
   ``floor_eager_1x2048`` / ``floor_eager_4x2048``: the same model with every FP8 layer the
   least any eager FP8 GEMM can launch (``host_floor.FloorLinear``: casts without amaxes,
-  LayerNorm and GELU fused into the casts, no bookkeeping): an upper bound on what any
-  eager FP8 implementation of this model reaches (CUDA only). ``floor_graphed_1x2048``: that
+  LayerNorm and GELU fused into the casts, no transposes, no bookkeeping): an upper bound on
+  what any eager FP8 implementation of this model reaches. ``floor_graphed_1x2048``: that
   model captured in one CUDA graph against bf16's graph: with the host out of the step, what
   FP8 GEMMs and the least casting can save on the GPU, an upper bound on the graphed ratio
-  of any implementation of these layers. (No such floor is measured compiled: Inductor
-  drops or folds the floor's work that depends on no input, so its figure would bound
-  nothing useful.)
+  of any implementation of these layers (CUDA only). ``floor_compiled_1x2048``: that model
+  compiled (default mode) against bf16 compiled: Inductor may fuse or drop what it likes of
+  the floor's work, so this bounds any FP8 implementation that ``torch.compile`` runs.
 - ``sweep_context_ceiling``: per sweep shape, ``nn.Linear`` stepped inside ``fp8_autocast``
   against ``nn.Linear`` alone: the context's own host cost, which every fp8state step pays.
   Where a module falls back to high precision (``nn.Linear``'s very kernels), its step can
-  beat this ratio by no means.
+  beat this ratio by no means. ``sweep_floor``: per shape, the least FP8 step
+  (``host_floor.floor_step``) against ``nn.Linear``: no FP8 Linear step beats it. Where both
+  are below 1, no step of an FP8 module inside ``fp8_autocast`` is as fast as ``nn.Linear``.
 - ``host_overhead_ratio``: host time to queue one fwd+bwd of ``fp8state.Linear`` over that
   of ``nn.Linear`` at 4096x2048x2048 (the GPU not waited for); ``host_floor_ratio``: the
   same for the least any eager FP8 Linear step can launch (``benchmarks/host_floor.py``).
@@ -84,16 +86,17 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         kw = {"device": device, "dtype": torch.bfloat16}
-        if floor_tokens is not None:  # the least an eager FP8 layer can launch (host_floor)
+        if floor_tokens is not None:  # the least an FP8 layer can launch (host_floor)
             t = floor_tokens
             self.qkv = nn.Sequential(
-                nn.LayerNorm(hidden, **kw), FloorLinear(t, hidden, 3 * hidden, fused_input=True)
+                nn.LayerNorm(hidden, **kw),
+                FloorLinear(t, hidden, 3 * hidden, fused_input=True, device=device),
             )
-            self.proj = FloorLinear(t, hidden, hidden)
+            self.proj = FloorLinear(t, hidden, hidden, device=device)
             self.mlp = nn.Sequential(  # GELU fused into the second GEMM's input cast
                 nn.LayerNorm(hidden, **kw),
-                FloorLinear(t, hidden, ffn, fused_input=True),
-                FloorLinear(t, ffn, hidden),
+                FloorLinear(t, hidden, ffn, fused_input=True, device=device),
+                FloorLinear(t, ffn, hidden, device=device),
             )
         elif fp8:
             pkw = {"device": device, "params_dtype": torch.bfloat16}
@@ -174,10 +177,10 @@ def _pair(fp8: Callable, bf16: Callable, device: torch.device, args) -> float:
     return round(bf16_ms / fp8_ms, 3)
 
 
-def bench_sweep(device: torch.device, args) -> tuple[dict[str, float], dict[str, float]]:
-    """Per shape: fp8state.Linear against nn.Linear, and nn.Linear inside fp8_autocast
-    against nn.Linear (the context's own cost: the ceiling of a step that falls back)."""
-    result, context = {}, {}
+def bench_sweep(device: torch.device, args) -> dict[str, dict[str, float]]:
+    """Per shape, against nn.Linear: fp8state.Linear; nn.Linear inside fp8_autocast (the
+    context's own cost: the ceiling of a step that falls back); the least FP8 step."""
+    result, context, floor = {}, {}, {}
     for m, k, n in args.sweep:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -186,8 +189,9 @@ def bench_sweep(device: torch.device, args) -> tuple[dict[str, float], dict[str,
         plain = make_step(bf16, x, grad, False)
         result[f"{m}x{k}x{n}"] = _pair(make_step(fp8, x, grad, True), plain, device, args)
         context[f"{m}x{k}x{n}"] = _pair(make_step(bf16, x, grad, True), plain, device, args)
+        floor[f"{m}x{k}x{n}"] = _pair(floor_step(m, k, n, device), plain, device, args)
         del x, grad, fp8, bf16
-    return result, context
+    return {"sweep_speedup": result, "sweep_context_ceiling": context, "sweep_floor": floor}
 
 
 def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dict]:
@@ -201,20 +205,18 @@ def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dic
         grad = torch.randn_like(x)
         steps = {fp8: make_step(models[fp8], x, grad, fp8) for fp8 in (True, False)}
         result[f"eager_{batch}x{args.tokens}"] = _pair(steps[True], steps[False], device, args)
-        if device.type == "cuda":  # the least any eager FP8 model step can launch
-            floor = build_model(False, device, batch * args.tokens, **args.model)
-            floor_step = floor_model_step(floor, x, grad)
-            result[f"floor_eager_{batch}x{args.tokens}"] = _pair(
-                floor_step, steps[False], device, args
-            )
-            del floor, floor_step
+        floor = build_model(False, device, batch * args.tokens, **args.model)
+        result[f"floor_eager_{batch}x{args.tokens}"] = _pair(
+            floor_model_step(floor, x, grad), steps[False], device, args
+        )
+        del floor
         if batch == 1:
             counts = _other_modes(models, steps, x, grad, device, args, result)
     return result, counts
 
 
 def _other_modes(models, steps, x, grad, device, args, result) -> dict:
-    """Graphed and compiled steps of one sequence, and the graphed floor; returns counts."""
+    """Graphed and compiled steps of one sequence, and their floors; returns counts."""
     tag = f"1x{args.tokens}"
     if device.type == "cuda":
         mark_graphed(models[True], True)  # captured by hand: the modules say so
@@ -239,6 +241,10 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     counts = guarded(lambda: compile_counts(compiled[True]))
     result[f"compiled_{tag}"] = guarded(
         lambda: _pair(compiled[True], compiled[False], device, args)
+    )
+    floor = torch.compile(build_model(False, device, args.tokens, **args.model))
+    result[f"floor_compiled_{tag}"] = guarded(
+        lambda: _pair(floor_model_step(floor, x, grad), compiled[False], device, args)
     )
     return counts if isinstance(counts, dict) else {"compile_error": counts}
 
@@ -344,7 +350,7 @@ def bench_host(device: torch.device, args) -> dict[str, float | None]:
     bf16_us = host_us(build(m, k, n, False))
     return {
         "host_overhead_ratio": round(host_us(build(m, k, n, True)) / bf16_us, 3),
-        "host_floor_ratio": round(host_us(floor_step(m, k, n)) / bf16_us, 3),
+        "host_floor_ratio": round(host_us(floor_step(m, k, n, device)) / bf16_us, 3),
     }
 
 
@@ -371,7 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     result: dict = {}
     if "sweep" not in args.skip:
-        result["sweep_speedup"], result["sweep_context_ceiling"] = bench_sweep(device, args)
+        result.update(bench_sweep(device, args))
     if "model" not in args.skip:
         result["model_h2048_speedup"], counts = bench_model(device, args)
         result.update(counts)

@@ -120,8 +120,10 @@ def test_checkpoint_round_trip_benchmark_quick_run(tmp_path) -> None:
 
 def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     result = _quick_run("training_loop.py", tmp_path, 600)
-    assert set(result["sweep_speedup"]) == set(result["sweep_context_ceiling"]) == {"64x32x32"}
-    assert set(result["model_h2048_speedup"]) == {"eager_1x32", "eager_4x32", "compiled_1x32"}
+    sweeps = ("sweep_speedup", "sweep_context_ceiling", "sweep_floor")
+    assert all(set(result[key]) == {"64x32x32"} for key in sweeps)
+    modes = {"eager_1x32", "eager_4x32", "compiled_1x32"}
+    assert set(result["model_h2048_speedup"]) == modes | {f"floor_{mode}" for mode in modes}
     assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
     assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
@@ -131,7 +133,11 @@ def test_training_loop_sweeps_only_the_shapes_asked_for(tmp_path) -> None:
     args = ("--skip", "model", "host", "--shapes", "48x32x16", "16x32x48")
     result = _quick_run("training_loop.py", tmp_path, 300, *args)
     assert list(result["sweep_speedup"]) == ["48x32x16", "16x32x48"]
-    assert set(result["sweep_context_ceiling"]) == {"48x32x16", "16x32x48"}
+    assert (
+        set(result["sweep_context_ceiling"])
+        == set(result["sweep_floor"])
+        == {"48x32x16", "16x32x48"}
+    )
     assert "model_h2048_speedup" not in result and "host_overhead_ratio" not in result
     command = result["training_loop_run"]["command"]
     assert command.endswith("--skip model host --shapes 48x32x16 16x32x48")
