@@ -66,18 +66,21 @@ class _Floor(torch.autograd.Function):
         return dx.view(*grad.shape[:-1], dx.shape[-1]), dw, None, None
 
 
-def _operands(tokens: int, k: int, n: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The operands laid out beforehand: backward's transposed ones, and the fused input."""
+def _operands(
+    tokens: int, k: int, n: int, device: torch.device, fused_input: bool = False
+) -> dict[str, torch.Tensor | None]:
+    """The operands laid out beforehand: backward's transposed ones, and the input where
+    ``fused_input`` (else None: the layer casts it)."""
     bf16 = torch.bfloat16
-    x = torch.randn(tokens, k, device=device, dtype=bf16)
+    x8 = torch.randn(tokens, k, device=device, dtype=bf16).to(E4M3)  # (M, K) row-major
     w = torch.randn(n, k, device=device, dtype=bf16)
     grad = torch.randn(tokens, n, device=device, dtype=bf16)
     return {
         "scale": torch.ones((), device=device),
-        "x8": x.to(E4M3),  # (M, K) row-major, where the kernel before cast it
+        "x8": x8 if fused_input else None,
         "w8": w.t().contiguous().to(E4M3).t(),  # (N, K) column-major
         "g8_t": grad.t().contiguous().to(E5M2),  # (N, M) row-major
-        "x8_cm": x.to(E4M3).t().contiguous().t(),  # (M, K) read as column-major (K, M).T
+        "x8_cm": x8.t().contiguous().t(),  # (M, K) read as column-major (K, M).T
     }
 
 
@@ -122,10 +125,7 @@ class FloorLinear(nn.Module):
         super().__init__()
         device = torch.device(device)
         self.weight = nn.Parameter(torch.randn(n, k, device=device, dtype=torch.bfloat16))
-        ops = _operands(tokens, k, n, device)
-        x8 = ops.pop("x8")
-        self.register_buffer("x8", x8 if fused_input else None, persistent=False)
-        for name, tensor in ops.items():
+        for name, tensor in _operands(tokens, k, n, device, fused_input).items():
             self.register_buffer(name, tensor, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
