@@ -19,6 +19,10 @@ the same process (> 1: FP8 is faster):
   (the same with ``fp8_weight_caching``: four micro-batches per optimizer step, the FP8
   weights cast on the first only) and
   ``compiled_1x2048`` (``torch.compile``, default mode). A mode that fails records its error.
+  ``tuned_eager_1x2048`` / ``tuned_eager_4x2048``: the eager step after
+  ``fp8state.tune_fallback`` timed it at each threshold (``fallback_tuning``: per batch the
+  threshold chosen, the GEMM sizes it runs in FP8 and the milliseconds per step of each
+  candidate).
   The whole-step graph is captured by hand, so its FP8 modules are marked ``fp8_graphed``
   (the graphed default threshold), as ``make_graphed_callables`` marks its own.
   ``floor_eager_1x2048`` / ``floor_eager_4x2048``: the same model with every FP8 layer the
@@ -197,6 +201,7 @@ def bench_sweep(device: torch.device, args) -> dict[str, dict[str, float]]:
 def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dict]:
     result: dict[str, float | str] = {}
     counts: dict = {}
+    tunings: dict[str, dict] = {}
     h = args.model.get("hidden", MODEL["hidden"])
     for batch in (1, 4):
         models = {fp8: build_model(fp8, device, **args.model) for fp8 in (True, False)}
@@ -204,7 +209,9 @@ def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dic
         x.requires_grad_()
         grad = torch.randn_like(x)
         steps = {fp8: make_step(models[fp8], x, grad, fp8) for fp8 in (True, False)}
-        result[f"eager_{batch}x{args.tokens}"] = _pair(steps[True], steps[False], device, args)
+        tag = f"{batch}x{args.tokens}"
+        result[f"eager_{tag}"] = _pair(steps[True], steps[False], device, args)
+        result[f"tuned_eager_{tag}"], tunings[tag] = _tuned(models[True], steps, device, args)
         floor = build_model(False, device, batch * args.tokens, **args.model)
         result[f"floor_eager_{batch}x{args.tokens}"] = _pair(
             floor_model_step(floor, x, grad), steps[False], device, args
@@ -212,7 +219,23 @@ def bench_model(device: torch.device, args) -> tuple[dict[str, float | str], dic
         del floor
         if batch == 1:
             counts = _other_modes(models, steps, x, grad, device, args, result)
-    return result, counts
+    return result, {**counts, "fallback_tuning": tunings}
+
+
+def _tuned(model: nn.Module, steps: dict, device: torch.device, args) -> tuple[float, dict]:
+    """fp8state with ``fp8state.tune_fallback``'s threshold against bf16; then the defaults
+    again (the other modes measure what the modules do by default)."""
+    counts = {"steps": 1, "repeats": 1, "warmup": 0} if args.quick else {}
+    tuning = fp8state.tune_fallback(model, steps[True], **counts)
+    ratio = _pair(steps[True], steps[False], device, args)
+    for module in model.modules():
+        if isinstance(module, fp8state.FP8StateMixin):
+            module.fp8_min_gemm_macs = None
+    return ratio, {
+        "chosen": tuning.chosen,
+        "fp8_gemm_macs": list(tuning.fp8_gemm_macs(tuning.chosen)),
+        "ms_per_step": {str(k): round(v, 3) for k, v in tuning.ms_per_step.items()},
+    }
 
 
 def _other_modes(models, steps, x, grad, device, args, result) -> dict:

@@ -16,6 +16,7 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.modules import Conv1D, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from fp8state.recalibration import CalibrationReport, recalibrate
 from fp8state.recipe import DelayedScaling
+from fp8state.tuning import FallbackTuning, tune_fallback
 
 __all__ = [
     "__version__",
@@ -39,6 +40,8 @@ __all__ = [
     "plan_conversion",
     "recalibrate",
     "CalibrationReport",
+    "tune_fallback",
+    "FallbackTuning",
     "migrate",
     "checkpoint",
 ]

@@ -67,6 +67,14 @@ class FP8Friend(Protocol):
         """Mark ``direction``'s scales updated: the next record opens a new step."""
         ...
 
+    def _fp8_step_flags(self) -> dict[Direction, bool]:
+        """Per direction, whether the next record opens a new step (a copy)."""
+        ...
+
+    def _fp8_set_step_flags(self, flags: Mapping[Direction, bool]) -> None:
+        """Set, per direction, whether the next record opens a new step."""
+        ...
+
     def _fp8_reset_steps(self) -> None:
         """Forget open steps in both directions (after a load or a reset) and cached weights."""
         ...

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
-from fp8state._runtime import microbatch, recompute
+from fp8state._runtime import gemm_sizes, microbatch, recompute
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
@@ -126,6 +126,8 @@ def fp8_backend(
     module: FP8StateMixin, ctx: autocast.FP8Context, inp: torch.Tensor, macs: int
 ) -> str | None:
     """The GEMM backend for FP8 compute, or None where ``macs`` is below the threshold."""
+    if gemm_sizes.LISTENING:
+        gemm_sizes.hear(macs)
     backend = resolve_backend(ctx.gemm_backend, inp.device)
     threshold = min_gemm_macs(backend, module.fp8_min_gemm_macs, module.fp8_graphed)
     return None if macs < threshold else backend

@@ -24,11 +24,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from fp8state import autocast
-from fp8state._runtime import amax_reduction, microbatch
+from fp8state._runtime import amax_reduction, microbatch, snapshot
 from fp8state._runtime.friend import set_plain_attr
 from fp8state.mixin import FP8StateMixin
-from fp8state.schema import DirectionState
-from fp8state.slots import DIRECTIONS, Direction
 
 __all__ = ["Captured", "Graphs", "capture_all", "fp8_modules_of", "positional", "run_under"]
 
@@ -125,30 +123,6 @@ def _backward(
     )
 
 
-Snapshot = list[tuple[FP8StateMixin, list[DirectionState], dict[Direction, bool]]]
-
-
-def _snapshot(modules: Sequence[FP8StateMixin]) -> Snapshot:
-    return [
-        (
-            m,
-            [DirectionState(*(t.clone() for t in m.fp8_meta(d))) for d in DIRECTIONS],
-            m._fp8_step_flags(),
-        )
-        for m in modules
-    ]
-
-
-@torch.no_grad()
-def _put_back(snapshot: Snapshot) -> None:
-    # Into the same tensors, never new ones: the graphs recorded their addresses.
-    for module, saved, flags in snapshot:
-        live = [t for d in DIRECTIONS for t in module.fp8_meta(d)]
-        torch._foreach_copy_(live, [t for state in saved for t in state])
-        module._fp8_set_step_flags(flags)
-        module._fp8_touch()
-
-
 def capture_all(
     forwards: Sequence[Any],
     modules: Sequence[nn.Module],
@@ -180,7 +154,7 @@ def capture_all(
         # Graphed from the warm-up on: the FP8-or-not decision of every GEMM is the graphs'
         # own (fp8state.backends.GRAPHED_MIN_GEMM_MACS); the warm-up runs what is captured.
         set_plain_attr(m, "fp8_graphed", True)
-    saved = _snapshot(fp8)
+    saved = snapshot.take(fp8)
     params = [tuple(m.parameters()) for m in modules]
     flags: tuple[bool | None, ...] = (True, False) if weight_caching else (None,)
     captured: dict[bool | None, list[Captured]] = {}
@@ -202,9 +176,9 @@ def capture_all(
             m.fp8_weight_cache.clear()  # the copies the module had, none a graph may write
             m.fp8_weight_cache.update(cache)
         with contextlib.suppress(Exception):  # the metadata as it was, where CUDA still can
-            _put_back(saved)
+            snapshot.put_back(saved)
         raise
-    _put_back(saved)
+    snapshot.put_back(saved)
     if not weight_caching:
         return [Graphs(c) for c in captured[None]], tables
     graphs = [

@@ -18,14 +18,12 @@ import torch
 from torch import nn
 
 from fp8state import autocast
+from fp8state._runtime import snapshot
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
 from fp8state.recalibration._batches import forward_batch
 from fp8state.recalibration._saved import (
     Saved,
-    SavedBuffer,
-    buffers_to_restore,
-    put_back_buffers,
     restore,
     save,
     with_fwd,
@@ -299,11 +297,11 @@ def recalibrate(
             if t.device.type == "cuda"
         }
     )
-    buffers: list[SavedBuffer] = []
+    buffers: list[snapshot.SavedBuffer] = []
     try:
         if training is not None:
             run.train(training)
-        buffers = buffers_to_restore(run)
+        buffers = snapshot.take_buffers(run, modules.values())
         with torch.random.fork_rng(devices=cuda):  # dropout draws must not shift training's
             report = _calibrate(
                 run,
@@ -322,7 +320,7 @@ def recalibrate(
             restore(fp8_module, saved[name])
         raise
     finally:
-        put_back_buffers(buffers)
+        snapshot.put_back_buffers(buffers)
         for module, flag in modes:
             module.training = flag
     if report.skipped:

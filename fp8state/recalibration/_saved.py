@@ -1,8 +1,9 @@
-"""What :func:`fp8state.recalibrate` saves and puts back: FP8 metadata and other buffers.
+"""What :func:`fp8state.recalibrate` saves and puts back of FP8 metadata.
 
-A calibration that fails, or a module that never ran, leaves the model as it was: its FP8
-metadata (through the mixin's own apply, so staging and the kernels' tables stay exact) and
-the buffers a training-mode forward may have changed (BatchNorm statistics).
+A calibration that fails, or a module that never ran, leaves the model's FP8 metadata as it
+was, through the mixin's own apply (so staging and the kernels' tables stay exact). The other
+buffers a training-mode forward may change (BatchNorm statistics) go back through
+:func:`fp8state._runtime.snapshot.take_buffers`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from fp8state._runtime.buffers import ALL_BUFFER_NAMES
 from fp8state.mixin import FP8StateMixin
 from fp8state.schema import DirectionState, FP8State
 from fp8state.slots import Direction
@@ -23,9 +22,6 @@ __all__ = [
     "restore",
     "reset",
     "with_fwd",
-    "SavedBuffer",
-    "buffers_to_restore",
-    "put_back_buffers",
 ]
 
 
@@ -68,28 +64,3 @@ def with_fwd(module: FP8StateMixin, fwd: DirectionState) -> None:
     """Put back forward metadata saved earlier, keeping the live backward metadata."""
     live = module.fp8_state()
     module._fp8_apply(FP8State(fwd, live.bwd, live.recipe))
-
-
-SavedBuffer = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
-
-
-def buffers_to_restore(model: nn.Module) -> list[SavedBuffer]:
-    """Copies of the non-FP8 buffers a training-mode forward may change (BatchNorm stats)."""
-    saved = []
-    for module in model.modules():
-        if not module.training:
-            continue  # an eval-mode forward updates no statistics
-        fp8 = ALL_BUFFER_NAMES if isinstance(module, FP8StateMixin) else ()
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in fp8:
-                saved.append((module, name, buf, buf.detach().clone()))
-    return saved
-
-
-@torch.no_grad()
-def put_back_buffers(saved: list[SavedBuffer]) -> None:
-    # Unconditionally: batch_norm updates running statistics inside its kernel, without
-    # bumping the tensors' version counters, so there is no cheap way to tell what changed.
-    for module, name, buf, copy in saved:
-        buf.copy_(copy)
-        module._buffers[name] = buf

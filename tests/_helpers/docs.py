@@ -22,6 +22,7 @@ DOCS_WITH_CODE = [
     "docs/huggingface.md",
     "docs/graphs.md",
     "docs/compile.md",
+    "docs/fp8_compute.md",
 ]
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mixin", ("mixin", "autocast")),
     ("functional", ("functional",)),
     ("modules", ("modules",)),
-    ("model-level", ("convert", "recalibration", "checkpoint", "graphs", "export")),
+    ("model-level", ("convert", "recalibration", "tuning", "checkpoint", "graphs", "export")),
     ("migration", ("migrate",)),
     ("integrations", ("integrations",)),
     ("cli", ("cli",)),

@@ -123,7 +123,13 @@ def test_training_loop_benchmark_quick_run(tmp_path) -> None:
     sweeps = ("sweep_speedup", "sweep_context_ceiling", "sweep_floor")
     assert all(set(result[key]) == {"64x32x32"} for key in sweeps)
     modes = {"eager_1x32", "eager_4x32", "compiled_1x32"}
-    assert set(result["model_h2048_speedup"]) == modes | {f"floor_{mode}" for mode in modes}
+    tuned = {"tuned_eager_1x32", "tuned_eager_4x32"}
+    floors = {f"floor_{mode}" for mode in modes}
+    assert set(result["model_h2048_speedup"]) == modes | floors | tuned
+    assert set(result["fallback_tuning"]) == {"1x32", "4x32"}
+    for tuning in result["fallback_tuning"].values():
+        assert str(tuning["chosen"]) in tuning["ms_per_step"]
+        assert all(size >= tuning["chosen"] for size in tuning["fp8_gemm_macs"])
     assert all(isinstance(v, float) and v > 0 for v in result["model_h2048_speedup"].values())
     assert result["compile_graph_breaks"] >= 0 and result["compile_recompiles"] >= 0
     assert result["training_loop_run"]["command"] == "python benchmarks/training_loop.py --quick"
