@@ -164,9 +164,10 @@ def tune_fallback(
     back to back (as a loop runs them: the host queues the next step while the GPU runs this
     one), candidates interleaved, medians over the blocks. Afterwards the model is as it was
     (FP8 metadata and step flags, FP8 weight caches, other buffers, ``.grad``, the random
-    generators' states) except for the chosen threshold. With ``torch.distributed``
-    initialized every rank of ``group`` must run GEMMs of the same sizes; all keep the same
-    threshold (the slowest rank's time decides), so they run the same GEMMs in FP8.
+    generators' states) except for the chosen threshold; meanwhile the tuner holds a copy of
+    every gradient and of those buffers. With ``torch.distributed`` initialized every rank of
+    ``group`` must run GEMMs of the same sizes; all keep the same threshold (the slowest
+    rank's time decides), so they run the same GEMMs in FP8.
 
     Args:
         model: The model whose eager FP8 modules are tuned (graphed ones keep theirs).
