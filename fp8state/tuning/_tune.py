@@ -248,8 +248,9 @@ def _trials(
     """Median milliseconds per step for each candidate threshold (this rank's)."""
     with gemm_sizes.listening() as heard:
         step()
-    _check_step(restore, heard)
+    _check_parameters(restore)
     sizes = sorted(heard)
+    # Agreed before the checks of what was heard: ranks that heard differently raise alike.
     if not same_on_every_rank(sizes, group):
         raise ConfigError(
             f"{_WHERE}(step=...)",
@@ -258,6 +259,14 @@ def _trials(
             "Tune with inputs of the same shape on every rank: a threshold between two ranks' "
             "sizes would run a GEMM in FP8 on one and not the other, and their amax "
             "reductions would disagree.",
+        )
+    if not sizes:
+        raise ConfigError(
+            f"{_WHERE}(step=...)",
+            "a step that ran no eager FP8 GEMM under fp8_autocast",
+            "a step whose forward runs the model's FP8 modules inside fp8_autocast()",
+            "Wrap the forward in fp8state.fp8_autocast(); compiled steps decide at trace "
+            "time, so tune the eager step and compile afterwards.",
         )
     candidates = [*sizes, sizes[-1] + 1]  # the last: every GEMM in high precision
 
@@ -274,11 +283,11 @@ def _trials(
         use(threshold)
         step()  # the first call after a switch allocates anew: untimed
         blocks[threshold].append(_ms_per_step(step, steps, device))
-    _check_step(restore, heard)
+    _check_parameters(restore)
     return {c: statistics.median(b) for c, b in blocks.items()}
 
 
-def _check_step(restore: _Restore, heard: set[int]) -> None:
+def _check_parameters(restore: _Restore) -> None:
     updated = restore.updated_parameter()
     if updated is not None:
         raise ConfigError(
@@ -287,12 +296,4 @@ def _check_step(restore: _Restore, heard: set[int]) -> None:
             "a step that computes gradients and changes no parameter",
             "Pass a step without optimizer.step(); the FP8 metadata, buffers and gradients "
             "were put back, the parameters keep what the step did to them.",
-        )
-    if not heard:
-        raise ConfigError(
-            f"{_WHERE}(step=...)",
-            "a step that ran no eager FP8 GEMM under fp8_autocast",
-            "a step whose forward runs the model's FP8 modules inside fp8_autocast()",
-            "Wrap the forward in fp8state.fp8_autocast(); compiled steps decide at trace "
-            "time, so tune the eager step and compile afterwards.",
         )
