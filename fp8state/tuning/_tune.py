@@ -215,7 +215,9 @@ def tune_fallback(
     modules = list(named.values())
     device = modules[0].fp8_meta("fwd").scale.device
     restore = _Restore(model, modules)
-    cuda = [device.index or 0] if device.type == "cuda" else []
+    cuda = []  # the CUDA generators to fork: the one of the metadata's device
+    if device.type == "cuda":
+        cuda = [torch.cuda.current_device() if device.index is None else device.index]
     try:
         with torch.random.fork_rng(devices=cuda):  # dropout draws must not shift training's
             ms = _trials(step, modules, restore, device, steps, repeats, warmup, group)
