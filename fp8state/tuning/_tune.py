@@ -129,7 +129,7 @@ class _Restore:
         for (_, p), grad in zip(self.params, self.grads, strict=True):
             if grad is None:
                 p.grad = None
-            elif p.grad is not None and p.grad.shape == grad.shape:
+            elif p.grad is not None:
                 p.grad.copy_(grad)  # into the same tensor: DDP's buckets may view it
             else:
                 p.grad = grad
