@@ -25,6 +25,7 @@ from fp8state._runtime import context_stack, handles
 from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
 from fp8state.errors import ConfigError
+from fp8state.functional import _take_part
 from fp8state.functional._ops import cast_op, gemm_op, note_backend_op, record_op, refuse
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.mixin import FP8StateMixin
@@ -67,7 +68,10 @@ def linear(
         backend, module.fp8_min_gemm_macs, module.fp8_graphed
     ):
         note_backend_op(handle, "high_precision", TOKEN)  # in order with the casts' notes
-        return F.linear(inp, weight, bias)
+        out = F.linear(inp, weight, bias)
+        if _take_part.takes_part(module, ctx):  # other ranks may run it in FP8
+            out = _take_part.compiled(handle, context, out)
+        return out
     register = context_stack.note_call(handle, context)
     fp8_format = ctx.recipe.fp8_format
     how = (context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)

@@ -29,7 +29,7 @@ from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
 from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
-from fp8state.functional import _compiled
+from fp8state.functional import _compiled, _take_part
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.functional._slot import cast_for as _cast_slot
 from fp8state.mixin import FP8StateMixin
@@ -74,7 +74,10 @@ def linear(
     backend = fp8_backend(module, ctx, inp, inp.numel() * weight.shape[0])  # tokens*in*out
     if backend is None:
         set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
-        return _high_precision(module, gemm, ctx, inp, weight, bias)
+        out = _high_precision(module, gemm, ctx, inp, weight, bias)
+        if _take_part.takes_part(module, ctx):  # other ranks may run it in FP8
+            out = _take_part.forward(module, ctx, out)
+        return out
     autocast.register_forward(module, ctx)
     record = recompute.start(module, gemm, ctx, backend)
     out = _FP8Linear.apply(
@@ -113,9 +116,13 @@ def _replay(
     autocast.hold_backward_update()
     ctx = record.ctx
     if record.backend is None:
-        if ctx is not None and cast(autocast.FP8Context, ctx).enabled:
+        out = F.linear(inp, weight, bias)
+        fp8_ctx = cast(autocast.FP8Context | None, ctx)
+        if fp8_ctx is not None and fp8_ctx.enabled:
             set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
-        return F.linear(inp, weight, bias)
+            if _take_part.takes_part(module, fp8_ctx):
+                out = _take_part.replayed(module, fp8_ctx, out)
+        return out
     out = _FP8Linear.apply(
         as_2d(inp), weight, bias, module, gemm, ctx, record.backend, None, None, record
     )

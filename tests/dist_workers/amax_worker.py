@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from _helpers.state import fp8_payloads
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fp8state
 from dist_workers.launch import shutdown
@@ -26,19 +27,29 @@ def _model() -> nn.Module:
     return nn.Sequential(fp8state.Linear(H, H), fp8state.LayerNormMLP(H, 32), fp8state.Linear(H, 4))
 
 
-def run(rank: int, world: int, port: int, out: str, mode: str, steps: int) -> None:
+def run(
+    rank: int, world: int, port: int, out: str, mode: str, steps: int, device: str = "cpu"
+) -> None:
+    """One rank: gloo on CPU. With ``device="cuda"`` (mode "straddle"): NCCL with a GPU per
+    rank where there are enough, else gloo with every rank on the one GPU."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    backend = "gloo"
+    if device == "cuda":
+        own_gpu = torch.cuda.device_count() >= world
+        device = f"cuda:{rank if own_gpu else 0}"
+        torch.cuda.set_device(device)
+        backend = "nccl" if own_gpu else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         # A function of its own: the DDP model must be freed before its process group is
         # destroyed (dist_workers.launch.shutdown says why).
-        torch.save(_train(rank, mode, steps), Path(out) / f"rank{rank}.pt")
+        torch.save(_train(rank, mode, steps, device), Path(out) / f"rank{rank}.pt")
     finally:
         shutdown()
 
 
-def _train(rank: int, mode: str, steps: int) -> dict:
+def _train(rank: int, mode: str, steps: int, device: str) -> dict:
     model = _model()
     calls = {"all_reduce": 0}
     real_all_reduce = dist.all_reduce
@@ -62,6 +73,8 @@ def _train(rank: int, mode: str, steps: int) -> dict:
         result["input_amax"] = input_amax
     elif mode == "compiled":
         result.update(_compiled(rank, steps, calls, counting_all_reduce, real_all_reduce))
+    elif mode == "straddle":
+        return _straddle(rank, steps, real_all_reduce, device)
     else:  # "ddp": ordinary data-parallel training, different data per rank
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
@@ -108,4 +121,52 @@ def _compiled(rank: int, steps: int, calls: dict, counting, real) -> dict:
         "outside": fp8_payloads(outside),
         "inside": fp8_payloads(inside),
         "twins": [fp8_payloads(twin) for twin in twins],
+    }
+
+
+# Tokens per rank and a threshold between them: on rank 0 the first Linear (256 MACs a token)
+# and the MLP (512 for its smaller GEMM) run in FP8; on rank 1 only the MLP; the head (64)
+# falls back on both.
+STRADDLE_TOKENS, STRADDLE_MACS = (16, 8), 4096
+
+
+def _straddle(rank: int, steps: int, real, device: str) -> dict:
+    """Batches of another length on each rank: DDP, compiled (``aot_eager``), checkpointed."""
+    eager = _model().to(device)
+    compiled, checkpointed = copy.deepcopy(eager), copy.deepcopy(eager)
+    for module in [*eager, *compiled, *checkpointed]:
+        module.fp8_min_gemm_macs = STRADDLE_MACS
+    forward = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    # Its gradient buckets' collectives interleave with fp8state's.
+    on_gpu = torch.device(device).type == "cuda"
+    ddp = nn.parallel.DistributedDataParallel(eager, device_ids=[device] if on_gpu else None)
+
+    def recomputed(x: torch.Tensor) -> torch.Tensor:  # the forward again, inside backward
+        return checkpoint(checkpointed, x.requires_grad_(), use_reentrant=True)
+
+    sizes: list[int] = []
+
+    def noting_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    input_amax, backends = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        x = (torch.randn(STRADDLE_TOKENS[rank], H, generator=gen) * (rank + 1)).to(device)
+        input_amax.append(float(x.abs().max()))
+        dist.all_reduce = noting_all_reduce
+        for model in (ddp, forward, recomputed):
+            with fp8state.fp8_autocast():
+                y = model(x)
+            y.sum().backward()
+        dist.all_reduce = real
+        backends.append([m.fp8_last_gemm_backend for m in eager])
+    return {
+        "sizes": sizes,
+        "input_amax": input_amax,
+        "backends": backends,
+        "eager": fp8_payloads(eager),
+        "compiled": fp8_payloads(compiled),
+        "checkpointed": fp8_payloads(checkpointed),
     }

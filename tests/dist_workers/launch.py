@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,3 +57,10 @@ def store_path(folder: str, name: str) -> str:
     if os.path.exists(path):
         os.remove(path)
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a group started through ``MASTER_PORT``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from _helpers.state import assert_same
+from _helpers.straddle import assert_ranks_reduced_alike
 from dist_workers.amax_worker import run
+from dist_workers.launch import free_port, run_ranks
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(tmp_path, world: int, mode: str, steps: int) -> list[dict]:
-    mp.spawn(run, args=(world, _free_port(), str(tmp_path), mode, steps), nprocs=world, join=True)
+    run_ranks(run, world, (world, free_port(), str(tmp_path), mode, steps), timeout=180)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
@@ -68,3 +61,12 @@ def test_compiled_steps_reduce_as_eager_steps(tmp_path) -> None:
         assert_same(r["inside"], r["twins"][1])
     for key in ("outside", "inside"):
         assert_same(results[1][key], results[0][key])
+
+
+def test_ranks_whose_batches_put_a_gemm_on_both_sides_of_the_threshold(tmp_path) -> None:
+    # Rank 0 runs the first Linear in FP8, rank 1 falls back there (fewer tokens); the head
+    # falls back on both. Every rank still reduces every module, in the same order.
+    steps = 3
+    results = _spawn(tmp_path, 2, "straddle", steps)
+    assert_ranks_reduced_alike(results, steps)
+    assert results[0]["backends"][0][:2] == ["emulated", "emulated"]
