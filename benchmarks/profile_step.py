@@ -1,6 +1,7 @@
 """Where the host's time goes in one training step of the 16-layer model, eager and compiled.
 
-Usage (CUDA): ``python benchmarks/profile_step.py [--tokens 2048] [--modes eager compiled]``.
+Usage (CUDA): ``python benchmarks/profile_step.py [--tokens 2048] [--modes eager compiled]
+[--every-gemm-fp8]``.
 
 For each mode and for fp8state and bf16: host milliseconds per fwd+bwd step launched back to
 back (the GPU not waited for: a host-bound step shows its host time), synchronized
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 from hopper import sync  # benchmarks/ is on sys.path as a script
-from training_loop import build_model, make_step
+from training_loop import build_model, make_step, mark_graphed
 
 
 def timed_ms(step: Callable[[], None], device: torch.device, iters: int) -> tuple[float, float]:
@@ -57,6 +58,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to test the script")
+    parser.add_argument(
+        "--every-gemm-fp8",
+        action="store_true",
+        help="the graphed threshold (every GEMM of the model in FP8) instead of the eager one",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
@@ -67,6 +73,7 @@ def main() -> None:
     for mode in args.modes:
         for fp8 in (True, False):
             model = build_model(fp8, device, **shape)
+            mark_graphed(model, args.every_gemm_fp8)
             if mode == "compiled":
                 model = torch.compile(model)
             step = make_step(model, x, grad, fp8)

@@ -157,7 +157,7 @@ def test_compiled_modes_benchmark_quick_run(tmp_path) -> None:
 
 
 def test_profile_step_benchmark_quick_run() -> None:
-    stdout = _script("profile_step.py", "--quick", "--top", "5", timeout=600)
+    stdout = _script("profile_step.py", "--quick", "--top", "5", "--every-gemm-fp8", timeout=600)
     for mode in ("eager", "compiled"):
         for model in ("fp8state", "bf16"):
             assert f"== {mode} {model}: host " in stdout
