@@ -37,6 +37,7 @@ __all__ = [
     "scale_from_amax",
     "update_scale",
     "shift_history",
+    "shift_histories_",
     "record_amax",
 ]
 
@@ -158,6 +159,24 @@ def shift_history(history: torch.Tensor) -> torch.Tensor:
     shifted = torch.zeros_like(history)
     shifted[1:] = history[:-1]
     return shifted
+
+
+def shift_histories_(histories: list[torch.Tensor]) -> None:
+    """:func:`shift_history` of every tensor of ``histories``, in place, a few launches for all.
+
+    Example:
+        >>> import torch
+        >>> from fp8state import scaling
+        >>> a, b = torch.tensor([[3.0], [2.0], [1.0]]), torch.tensor([[5.0, 6.0], [7.0, 8.0]])
+        >>> scaling.shift_histories_([a, b])
+        >>> a.flatten().tolist(), b.tolist()
+        ([0.0, 3.0, 2.0], [[0.0, 0.0], [5.0, 6.0]])
+    """
+    if not histories:
+        return
+    moved = torch._foreach_mul([h[:-1] for h in histories], 1.0)  # copies: rows overlap
+    torch._foreach_copy_([h[1:] for h in histories], moved)
+    torch._foreach_zero_([h[0] for h in histories])
 
 
 def record_amax(row0: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from fp8state._runtime.friend import FP8Friend
 from fp8state._runtime.generation import buffer_generation
 from fp8state._runtime.slot_cast import kernels_available
 from fp8state.recipe import DelayedScaling
+from fp8state.scaling import shift_histories_
 from fp8state.slots import Direction
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
     for (recipe, group, device), members in pending.groups.items():
         modules = list(members.values())
         if should_reduce(group):
+            _open_unrecorded(direction, modules)
             rows = [m.fp8_meta(direction).amax_history[0] for m in modules]
             flat = torch.cat(rows)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
@@ -100,6 +102,23 @@ def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
         else:
             for module in modules:
                 module.fp8_update_scales(direction, recipe)
+
+
+def _open_unrecorded(direction: Direction, modules: list[FP8Friend]) -> None:
+    """Open the step of modules registered without recording: their row 0 becomes zeros.
+
+    A GEMM that fell back registers its module without recording, so that every rank reduces
+    the same modules (:mod:`fp8state.functional._take_part`); where nothing else of the
+    module recorded in the step, its history shifts here as a record would have shifted it,
+    for all such modules in a few launches. The zero row is the neutral element of MAX.
+    """
+    unrecorded = [m for m in modules if m._fp8_opens_step(direction)]
+    if not unrecorded:
+        return
+    shift_histories_([m.fp8_meta(direction).amax_history for m in unrecorded])
+    for module in unrecorded:
+        module._fp8_touch()  # the shift wrote its history
+        module._fp8_continue_step(direction)
 
 
 def _update_batched(

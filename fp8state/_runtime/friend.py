@@ -71,6 +71,14 @@ class FP8Friend(Protocol):
         """Per direction, whether the next record opens a new step (a copy)."""
         ...
 
+    def _fp8_opens_step(self, direction: Direction) -> bool:
+        """Whether ``direction``'s next record opens a new step (nothing recorded since)."""
+        ...
+
+    def _fp8_continue_step(self, direction: Direction) -> None:
+        """The next record max-combines into row 0 instead of opening a new step."""
+        ...
+
     def _fp8_set_step_flags(self, flags: Mapping[Direction, bool]) -> None:
         """Set, per direction, whether the next record opens a new step."""
         ...
@@ -114,6 +122,9 @@ class StepBookkeeping:
     def _fp8_step_flags(self) -> dict[Direction, bool]:
         """Per direction, whether the next record opens a new step (a copy)."""
         return dict(self._fp8_new_step)
+
+    def _fp8_opens_step(self, direction: Direction) -> bool:
+        return self.__dict__["_fp8_new_step"][direction]
 
     def _fp8_set_step_flags(self, flags: Mapping[Direction, bool]) -> None:
         set_plain_attr(self, "_fp8_new_step", {d: bool(flags[d]) for d in DIRECTIONS})

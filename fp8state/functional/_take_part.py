@@ -7,10 +7,11 @@ FP8 depends on its size, tokens included (``fp8_min_gemm_macs``), and data-paral
 see batches of different lengths (each padded to its own longest sequence): one rank may run
 a module's GEMM in FP8 while another falls back. So under a group of several ranks, a call
 that falls back registers its module as an FP8 call would, forward at the call and backward
-when the output's gradient arrives, and opens the module's step without recording: a zero
-row, the neutral element of the reduction's MAX. Every rank then reduces the same modules in
-the same order, the module's history gains the max over the ranks that ran it in FP8 (a zero
-row where none did) and its scales stay identical on every rank.
+when the output's gradient arrives, without recording; the reduction opens the step of a
+module that recorded nothing with a zero row, the neutral element of its MAX. Every rank then
+reduces the same modules in the same order, the module's history gains the max over the
+ranks that ran it in FP8 (a zero row where none did) and its scales stay identical on every
+rank.
 
 Not for graphed modules: a CUDA graph replays the shapes it captured, the same on every rank.
 Without a group of several ranks a fallback touches no metadata.
@@ -29,7 +30,6 @@ from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.operators import define
 from fp8state.functional._ops import _forward, _module
 from fp8state.mixin import FP8StateMixin
-from fp8state.slots import Direction
 
 __all__ = ["takes_part", "forward", "replayed", "compiled"]
 
@@ -39,20 +39,8 @@ def takes_part(module: FP8StateMixin, ctx: autocast.FP8Context) -> bool:
     return ctx.enabled and not module.fp8_graphed and should_reduce(ctx.group)
 
 
-def _join_backward(module: FP8StateMixin, fp8_ctx: autocast.FP8Context) -> None:
-    autocast.register_backward(module, fp8_ctx)
-    _open_step(module, "bwd")
-
-
-def _open_step(module: FP8StateMixin, direction: Direction) -> None:
-    # The cell of any slot: opening it shifts the history once per step (a zero row 0) and
-    # records nothing.
-    module.fp8_amax_cell(direction, 0)
-
-
 def forward(module: FP8StateMixin, ctx: autocast.FP8Context, out: torch.Tensor) -> torch.Tensor:
     """``out`` of an eager fallback: the module joins this step's reductions, both ways."""
-    _open_step(module, "fwd")
     autocast.register_forward(module, ctx)
     return _TakePart.apply(out, module, ctx)
 
@@ -85,7 +73,7 @@ class _TakePart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        _join_backward(ctx.module, ctx.fp8_ctx)
+        autocast.register_backward(ctx.module, ctx.fp8_ctx)
         return grad, None, None
 
 
@@ -108,9 +96,7 @@ class _CompiledTakePart(torch.autograd.Function):
 
 def _take_part(handle: torch.Tensor, context: int, register: bool, token: torch.Tensor) -> None:
     """Operator: a compiled fallback's forward part (registered here, or by the graph's exit)."""
-    module = _module(handle, "fp8state::take_part")
-    _forward(module, "high-precision fallback", context, register)
-    _open_step(module, "fwd")
+    _forward(_module(handle, "fp8state::take_part"), "high-precision fallback", context, register)
 
 
 def _take_part_fake(
@@ -135,7 +121,8 @@ def _take_part_backward(grad: torch.Tensor, handle: torch.Tensor, context: int) 
     mutated a token of the backward's own would be dropped as dead code, and an operator may
     not return its argument itself.
     """
-    _join_backward(_module(handle, "fp8state::take_part_backward"), context_of(context))
+    module = _module(handle, "fp8state::take_part_backward")
+    autocast.register_backward(module, context_of(context))
     return grad.clone()
 
 

@@ -20,13 +20,14 @@ def assert_ranks_reduced_alike(results: list[dict], steps: int) -> None:
         assert first[0] != HIGH and second[0] == HIGH  # the first Linear: FP8 on rank 0 only
         assert HIGH not in (first[1], second[1])  # the MLP: FP8 on both
         assert first[2] == second[2] == HIGH  # the head: FP8 on neither
-    # Linear 3 + MLP 6 + head 3 forward slots, 2 + 4 + 2 backward, for the eager model, the
-    # compiled one and the checkpointed one (reentrant: its recomputation carries the
-    # backward part), each step: one collective per direction, the same size on each rank.
-    assert results[0]["sizes"] == results[1]["sizes"] == [12, 8] * 3 * steps
+    # Linear 3 + MLP 6 + head 3 forward slots, 2 + 4 + 2 backward, for each of the four
+    # models (eager, compiled with the context around it and inside it, checkpointed:
+    # reentrant, its recomputation carries the backward part), each step: one collective per
+    # direction, the same size on each rank.
+    assert results[0]["sizes"] == results[1]["sizes"] == [12, 8] * 4 * steps
     for r in results:
-        assert_same(r["compiled"], r["eager"])
-        assert_same(r["checkpointed"], r["eager"])
+        for twin in ("compiled", "inside", "checkpointed"):
+            assert_same(r[twin], r["eager"])
     assert_same(results[1]["eager"], results[0]["eager"])
     first_linear, head = results[0]["eager"]["0"], results[0]["eager"]["2"]
     for k in range(steps):  # row k is step steps-1-k: only rank 0 recorded the first Linear

@@ -122,6 +122,18 @@ def test_shift_history_single_row() -> None:
     torch.testing.assert_close(out, torch.zeros(1, 2), atol=0, rtol=0)
 
 
+def test_shift_histories_in_place_equals_shift_history_of_each() -> None:
+    gen = torch.Generator().manual_seed(0)
+    histories = [torch.rand(rows, slots, generator=gen) for rows, slots in [(4, 3), (1, 2), (7, 6)]]
+    want = [scaling.shift_history(h) for h in histories]
+    storage = [h.data_ptr() for h in histories]
+    scaling.shift_histories_(histories)
+    for got, expected, ptr in zip(histories, want, storage, strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        assert got.data_ptr() == ptr  # in place
+    scaling.shift_histories_([])  # nothing to shift
+
+
 @pytest.mark.parametrize(
     ("row0", "amax", "want"),
     [

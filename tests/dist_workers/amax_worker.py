@@ -6,6 +6,7 @@ number of all_reduce calls fp8state made, and the local amaxes it fed in.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from pathlib import Path
@@ -131,12 +132,19 @@ STRADDLE_TOKENS, STRADDLE_MACS = (16, 8), 4096
 
 
 def _straddle(rank: int, steps: int, real, device: str) -> dict:
-    """Batches of another length on each rank: DDP, compiled (``aot_eager``), checkpointed."""
+    """Batches of another length on each rank: DDP, compiled (``aot_eager``; fp8_autocast
+    around the compiled model, and inside a compiled step), checkpointed."""
     eager = _model().to(device)
-    compiled, checkpointed = copy.deepcopy(eager), copy.deepcopy(eager)
-    for module in [*eager, *compiled, *checkpointed]:
+    compiled, inside, checkpointed = (copy.deepcopy(eager) for _ in range(3))
+    for module in [*eager, *compiled, *inside, *checkpointed]:
         module.fp8_min_gemm_macs = STRADDLE_MACS
     forward = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+
+    def forward_inside(x: torch.Tensor) -> torch.Tensor:
+        with fp8state.fp8_autocast():
+            return inside(x)
+
+    step_inside = torch.compile(forward_inside, fullgraph=True, backend="aot_eager")
     # Its gradient buckets' collectives interleave with fp8state's.
     on_gpu = torch.device(device).type == "cuda"
     ddp = nn.parallel.DistributedDataParallel(eager, device_ids=[device] if on_gpu else None)
@@ -156,8 +164,8 @@ def _straddle(rank: int, steps: int, real, device: str) -> dict:
         x = (torch.randn(STRADDLE_TOKENS[rank], H, generator=gen) * (rank + 1)).to(device)
         input_amax.append(float(x.abs().max()))
         dist.all_reduce = noting_all_reduce
-        for model in (ddp, forward, recomputed):
-            with fp8state.fp8_autocast():
+        for model in (ddp, forward, recomputed, step_inside):
+            with fp8state.fp8_autocast() if model is not step_inside else contextlib.nullcontext():
                 y = model(x)
             y.sum().backward()
         dist.all_reduce = real
@@ -168,5 +176,6 @@ def _straddle(rank: int, steps: int, real, device: str) -> dict:
         "backends": backends,
         "eager": fp8_payloads(eager),
         "compiled": fp8_payloads(compiled),
+        "inside": fp8_payloads(inside),
         "checkpointed": fp8_payloads(checkpointed),
     }

@@ -26,9 +26,9 @@ def _tune(rank: int, out: str, tokens_differ: bool) -> None:
     def step() -> None:
         with fp8state.fp8_autocast():
             y = model(x)
-        # Only rank 1 is slow, and only while its smaller GEMM runs in FP8: alone, rank 0
-        # would pick any threshold (they all cost it the same).
-        if rank == 1 and model[1].fp8_last_gemm_backend != "high_precision":
+        # Only rank 1 is slow, and only while a GEMM runs in FP8: alone, rank 0 would pick
+        # any threshold (they all cost it about the same).
+        if rank == 1 and any(m.fp8_last_gemm_backend != "high_precision" for m in model):
             time.sleep(SLOW_S)
         y.sum().backward()
 
