@@ -74,3 +74,19 @@ def hf_class(arch: str) -> Any:
     import transformers
 
     return {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[arch]
+
+
+def cpu_training_args(output_dir: str, **overrides: Any) -> Any:
+    """``TrainingArguments`` for a deterministic CPU run, no reporting; ``overrides`` on top."""
+    import transformers
+
+    settings: dict[str, Any] = {
+        "learning_rate": 1e-3,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "data_seed": 0,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+    return transformers.TrainingArguments(output_dir=output_dir, **{**settings, **overrides})

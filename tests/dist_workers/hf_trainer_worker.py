@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from _helpers.hf import tiny_fp8_model
+from _helpers.hf import cpu_training_args, tiny_fp8_model
 from _helpers.state import fp8_payloads
 
 import fp8state
@@ -70,17 +70,10 @@ def _train(rank: int, out: str) -> dict:
         module.fp8_min_gemm_macs = THRESHOLD
     losses: list[float] = []
     model.register_forward_hook(lambda _m, _a, output: losses.append(float(output.loss)))
-    args = transformers.TrainingArguments(
-        output_dir=str(Path(out) / "trainer"),
+    args = cpu_training_args(
+        str(Path(out) / "trainer"),
         max_steps=STEPS,
         per_device_train_batch_size=BATCH,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         save_strategy="no",
     )
     trainer = transformers.Trainer(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers.hf import tiny_fp8_model
+from _helpers.hf import cpu_training_args, tiny_fp8_model
 from _helpers.state import assert_state_equal
 
 import fp8state
@@ -29,19 +29,12 @@ def _trainer(arch: str, out: Path, seed: int) -> tuple[transformers.Trainer, lis
     model = fp8state.autocast_forward(tiny_fp8_model(arch, seed))
     losses: list[torch.Tensor] = []
     model.register_forward_hook(lambda _m, _a, out: losses.append(out.loss.detach().clone()))
-    args = transformers.TrainingArguments(
-        output_dir=str(out),
+    args = cpu_training_args(
+        str(out),
         max_steps=STEPS,
         save_steps=SAVE_AT,
         per_device_train_batch_size=2,
-        learning_rate=1e-3,
         logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset())
     return trainer, losses
