@@ -69,7 +69,9 @@ class _TakePart(torch.autograd.Function):
         ctx: Any, out: torch.Tensor, module: FP8StateMixin, fp8_ctx: autocast.FP8Context
     ) -> torch.Tensor:
         ctx.module, ctx.fp8_ctx = module, fp8_ctx
-        return out
+        # Detached, not ``out`` itself: autograd makes an input returned as it is a view, and
+        # refuses in-place ops on it (an ``inplace=True`` activation after the layer).
+        return out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -86,7 +88,7 @@ class _CompiledTakePart(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(handle)
         ctx.context = context
-        return out
+        return out.detach()  # as _TakePart's
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
