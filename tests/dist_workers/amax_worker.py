@@ -31,8 +31,11 @@ def _model() -> nn.Module:
 def run(
     rank: int, world: int, port: int, out: str, mode: str, steps: int, device: str = "cpu"
 ) -> None:
-    """One rank: gloo on CPU. With ``device="cuda"`` (mode "straddle"): NCCL with a GPU per
-    rank where there are enough, else gloo with every rank on the one GPU."""
+    """One rank of a test, writing what it checks to ``OUT/rank<r>.pt``.
+
+    gloo on CPU. With ``device="cuda"`` (mode "straddle"): NCCL with a GPU per rank where
+    there are enough, else gloo with every rank on the one GPU.
+    """
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     backend = "gloo"
