@@ -1,10 +1,10 @@
 """How the ranks of a process group tune alike: the same candidates, the slowest rank's time.
 
-Ranks must run the same GEMMs in FP8: the end-of-step amax reduction concatenates the
-histories of the modules that ran in FP8, so ranks that disagree would reduce buffers of
-different lengths, or pair one module's amaxes with another's. Every rank therefore times the
-same candidates (the tuner refuses ranks whose steps' GEMM sizes differ) and picks from the
-same times, the slowest rank's.
+Ranks may run GEMMs of other sizes (batches of other lengths): every rank times every size
+that any rank heard, so the candidates are the same everywhere, and every rank picks from
+the same times, the slowest rank's, so all keep one threshold. Where that threshold falls
+between two ranks' sizes of one GEMM, the ranks decide differently for it, which the amax
+reductions allow (a fallback still takes part: ``fp8state.functional._take_part``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fp8state._runtime.amax_reduction import should_reduce
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["same_on_every_rank", "slowest_over_ranks"]
+__all__ = ["union_over_ranks", "slowest_over_ranks"]
 
 
 def _device(group: ProcessGroup | None) -> torch.device:
@@ -29,21 +29,20 @@ def _device(group: ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def same_on_every_rank(sizes: list[int], group: ProcessGroup | None) -> bool:
-    """Whether every rank of ``group`` heard exactly ``sizes`` (True when not distributed)."""
+def union_over_ranks(sizes: list[int], group: ProcessGroup | None) -> list[int]:
+    """Every size any rank of ``group`` heard, ascending (``sizes`` alone when not distributed)."""
     if not should_reduce(group):
-        return True
+        return sorted(set(sizes))
     device = _device(group)
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    count = torch.tensor([len(sizes)], dtype=torch.int64, device=device)
-    dist.broadcast(count, source, group=group)
-    first = torch.zeros(int(count.item()), dtype=torch.int64, device=device)
-    if dist.get_rank(group) == 0:
-        first.copy_(torch.tensor(sizes, dtype=torch.int64))
-    dist.broadcast(first, source, group=group)
-    differs = torch.tensor([float(first.tolist() != sizes)], device=device)
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=group)
-    return not bool(differs.item())
+    longest = torch.tensor([len(sizes)], dtype=torch.int64, device=device)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    if not int(longest.item()):
+        return []
+    mine = torch.full((int(longest.item()),), -1, dtype=torch.int64, device=device)
+    mine[: len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return sorted({size for ranks in gathered for size in ranks.tolist() if size >= 0})
 
 
 def slowest_over_ranks(times: list[float], group: ProcessGroup | None) -> list[float]:

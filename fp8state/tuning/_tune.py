@@ -23,7 +23,7 @@ from fp8state import autocast
 from fp8state._runtime import gemm_sizes, snapshot
 from fp8state.errors import ConfigError
 from fp8state.mixin import FP8StateMixin
-from fp8state.tuning._ranks import same_on_every_rank, slowest_over_ranks
+from fp8state.tuning._ranks import slowest_over_ranks, union_over_ranks
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -39,7 +39,8 @@ class FallbackTuning:
 
     Attributes:
         gemm_macs: The distinct sizes (multiply-accumulates, ``tokens * in * out``) of the
-            GEMMs the step ran under ``fp8_autocast``, ascending.
+            GEMMs the step ran under ``fp8_autocast``, ascending; with several ranks, those
+            of every rank.
         ms_per_step: Per candidate threshold (``fp8_min_gemm_macs``), the median milliseconds
             per step; with several ranks, the slowest rank's. The candidates are
             ``gemm_macs`` (threshold ``s``: FP8 for every GEMM of at least ``s``) and one more
@@ -165,9 +166,9 @@ def tune_fallback(
     one), candidates interleaved, medians over the blocks. Afterwards the model is as it was
     (FP8 metadata and step flags, FP8 weight caches, other buffers, ``.grad``, the random
     generators' states) except for the chosen threshold; meanwhile the tuner holds a copy of
-    every gradient and of those buffers. With ``torch.distributed`` initialized every rank of
-    ``group`` must run GEMMs of the same sizes; all keep the same threshold (the slowest
-    rank's time decides), so they run the same GEMMs in FP8.
+    every gradient and of those buffers. With ``torch.distributed`` initialized, every rank
+    of ``group`` times every GEMM size that any rank's step ran (batches may differ in length
+    between ranks) and all keep the same threshold: the slowest rank's time decides.
 
     Args:
         model: The model whose eager FP8 modules are tuned (graphed ones keep theirs).
@@ -184,9 +185,9 @@ def tune_fallback(
 
     Raises:
         ConfigError: a model without eager FP8 modules, bad counts, a call inside
-            ``fp8_autocast``, a step that ran no FP8 GEMM under ``fp8_autocast`` eagerly, or
-            one that changed a parameter (an optimizer step), or ranks whose GEMM sizes
-            differ; the model is left as it was.
+            ``fp8_autocast``, a step that ran no FP8 GEMM under ``fp8_autocast`` eagerly (on
+            any rank), or one that changed a parameter (an optimizer step); the model is left
+            as it was.
 
     Example:
         >>> import torch, fp8state
@@ -251,17 +252,8 @@ def _trials(
     with gemm_sizes.listening() as heard:
         step()
     _check_parameters(restore)
-    sizes = sorted(heard)
-    # Agreed before the checks of what was heard: ranks that heard differently raise alike.
-    if not same_on_every_rank(sizes, group):
-        raise ConfigError(
-            f"{_WHERE}(step=...)",
-            f"GEMM sizes {sizes} on this rank, others on another rank of the group",
-            "the same GEMM sizes on every rank",
-            "Tune with inputs of the same shape on every rank: a threshold between two ranks' "
-            "sizes would run a GEMM in FP8 on one and not the other, and their amax "
-            "reductions would disagree.",
-        )
+    # Every rank's sizes, before the check of what was heard: the ranks raise alike.
+    sizes = union_over_ranks(sorted(heard), group)
     if not sizes:
         raise ConfigError(
             f"{_WHERE}(step=...)",
