@@ -253,7 +253,7 @@ def _trials(
         step()
     _check_parameters(restore)
     # Every rank's sizes, before the check of what was heard: the ranks raise alike.
-    sizes = union_over_ranks(sorted(heard), group)
+    sizes = union_over_ranks(list(heard), group)
     if not sizes:
         raise ConfigError(
             f"{_WHERE}(step=...)",
