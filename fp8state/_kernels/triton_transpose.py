@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned
+
 __all__ = ["transpose_bytes"]
 
 
@@ -24,12 +26,16 @@ def _transpose_kernel(src, dst, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.c
     tl.store(dst + c[None, :].to(tl.int64) * rows + r[:, None], tile, mask=mask)
 
 
+# Launched per LayerNormMLP step twice: the fast launcher, as the casts (launch.py says why).
+_LAUNCHER = FastLauncher(_transpose_kernel)
+
+
 def transpose_bytes(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """``x.t().contiguous()`` for a contiguous 2-D CUDA tensor of a one-byte dtype."""
     rows, cols = x.shape
     raw = x.view(torch.uint8)
     out = torch.empty((cols, rows), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    with torch.cuda.device(x.device):  # Triton launches on the current device
-        _transpose_kernel[grid](raw, out, rows, cols, BLOCK_R=block, BLOCK_C=block, num_warps=8)
+    key = (block, int_spec(rows), int_spec(cols), ptr_aligned(raw), ptr_aligned(out))
+    _LAUNCHER(key, grid, (raw, out, rows, cols, block, block), x.device, num_warps=8)
     return out.view(x.dtype)
