@@ -1,6 +1,6 @@
 """Where the GPU time of one step of the 16-layer model goes: fp8state, the floor and bf16.
 
-Usage (CUDA): ``python benchmarks/model_kernels.py [--tokens 2048] [--top 25]``.
+Usage (CUDA): ``python benchmarks/model_kernels.py [--batch 1] [--tokens 2048] [--top 25]``.
 
 With the host out of the step (CUDA graphs), a step costs the sum of its kernels. This lists
 them for one fwd+bwd of ``training_loop.py``'s model: fp8state's layers marked
@@ -50,18 +50,19 @@ def report(name: str, table: dict[str, tuple[int, float]], top: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="sequences of --tokens per step")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     device = torch.device("cuda")
-    x = torch.randn(1, args.tokens, MODEL["hidden"], device=device, dtype=torch.bfloat16)
+    x = torch.randn(args.batch, args.tokens, MODEL["hidden"], device=device, dtype=torch.bfloat16)
     x.requires_grad_()
     grad = torch.randn_like(x)
     fp8_model = build_model(True, device)
     mark_graphed(fp8_model, True)  # the graphed threshold: every GEMM in FP8
     steps = {
         "fp8state (graphed threshold)": make_step(fp8_model, x, grad, True),
-        "floor": floor_model_step(build_model(False, device, args.tokens), x, grad),
+        "floor": floor_model_step(build_model(False, device, args.batch * args.tokens), x, grad),
         "bf16": make_step(build_model(False, device), x, grad, False),
     }
     for name, step in steps.items():

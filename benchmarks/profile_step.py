@@ -1,12 +1,14 @@
 """Where the host's time goes in one training step of the 16-layer model, eager and compiled.
 
-Usage (CUDA): ``python benchmarks/profile_step.py [--tokens 2048] [--modes eager compiled]
-[--every-gemm-fp8]``.
+Usage (CUDA): ``python benchmarks/profile_step.py [--batch 1] [--tokens 2048] [--modes eager
+compiled] [--every-gemm-fp8]``.
 
 For each mode and for fp8state and bf16: host milliseconds per fwd+bwd step launched back to
 back (the GPU not waited for: a host-bound step shows its host time), synchronized
-milliseconds per step, and the Python functions that take the host's time (cProfile, sorted
-by own time, then by cumulative time). ``--quick`` runs tiny shapes, on CPU too.
+milliseconds per step, on CUDA the summed GPU time of one step's kernels (what the step would
+take if the host never made the GPU wait), and the Python functions that take the host's time
+(cProfile, sorted by own time, then by cumulative time). ``--quick`` runs tiny shapes, on CPU
+too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from hopper import sync  # benchmarks/ is on sys.path as a script
+from model_kernels import kernel_times
 from training_loop import build_model, make_step, mark_graphed
 
 
@@ -53,6 +56,7 @@ def profiled(step: Callable[[], None], device: torch.device, iters: int, top: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="sequences of --tokens per step")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--modes", nargs="*", default=["eager", "compiled"])
     parser.add_argument("--iters", type=int, default=10)
@@ -68,7 +72,9 @@ def main() -> None:
     shape = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
     tokens = 16 if args.quick else args.tokens
     hidden = shape.get("hidden", 2048)
-    x = torch.randn(1, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(
+        args.batch, tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True
+    )
     grad = torch.randn_like(x)
     for mode in args.modes:
         for fp8 in (True, False):
@@ -82,6 +88,9 @@ def main() -> None:
             host, wall = timed_ms(step, device, args.iters)
             name = f"{mode} {'fp8state' if fp8 else 'bf16'}"
             print(f"== {name}: host {host:.2f} ms/step, synchronized {wall:.2f} ms/step")
+            if device.type == "cuda":
+                kernel_ms = sum(us for _, us in kernel_times(step).values()) / 1e3
+                print(f"   GPU kernels of one step: {kernel_ms:.2f} ms")
             if fp8:
                 print(profiled(step, device, args.iters, args.top))
 
