@@ -1,0 +1,100 @@
+"""How much faster a cast with a transposed copy can run than fp8state's, shape by shape.
+
+Usage (CUDA + Triton): ``python benchmarks/cast_headroom.py``.
+
+Times, back to back (:func:`hopper.kernel_ms`), for bf16 tensors of the 16-layer model's
+shapes: fp8state's cast with the transposed copy (its default block shapes), a minimal
+Triton kernel that writes the same two FP8 layouts and an amax but nothing else fp8state's
+does (no masks, no NaN kept through the saturation, no infinities left out of the amax, no
+history, snapshot or step bookkeeping), ``Tensor.to(float8_e4m3fn)`` (one layout, no amax)
+and a bf16 copy. The minimal kernel's best block shape bounds from below what a faster
+formulation of fp8state's cast could reach; the copy says what the memory moves at.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from hopper import kernel_ms, spin_up  # benchmarks/ is on sys.path as a script
+
+from fp8state._kernels import cast_launch
+
+_CUDA = torch.device("cuda")
+SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (8192, 8192)]
+# (BLOCK_M, BLOCK_N, num_warps, column tiles per program) of the minimal kernel.
+BLOCKS = [(64, 128, 4, 1), (64, 128, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (128, 64, 4, 2)]
+
+
+@triton.jit
+def _minimal_cast(
+    x_ptr,
+    out_ptr,
+    out_t_ptr,
+    amax_ptr,
+    M,
+    N,
+    scale,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    running = tl.zeros((BM, BN), dtype=tl.float32)
+    for tile in tl.static_range(TILES):
+        cols = (tl.program_id(1) * TILES + tile) * BN + tl.arange(0, BN)
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offsets).to(tl.float32)
+        running = tl.maximum(running, tl.abs(x))
+        y = tl.minimum(tl.maximum(x * scale, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(out_ptr + offsets, y)
+        tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(running, axis=1), axis=0))
+
+
+def _us(fn) -> float:
+    return 1e3 * kernel_ms(fn, _CUDA, 5, 40)
+
+
+def _minimal_us(x: torch.Tensor, block: tuple[int, int, int, int]) -> float:
+    m, n = x.shape
+    bm, bn, warps, tiles = block
+    out = torch.empty(m, n, device=_CUDA, dtype=torch.float8_e4m3fn)
+    out_t = torch.empty(n, m, device=_CUDA, dtype=torch.float8_e4m3fn)
+    amax = torch.zeros(1, device=_CUDA)
+    launch = _minimal_cast[(m // bm, n // (bn * tiles))]
+    return _us(lambda: launch(x, out, out_t, amax, m, n, 1.0, bm, bn, tiles, num_warps=warps))
+
+
+def _fp8state_us(x: torch.Tensor) -> float:
+    history, scale = torch.zeros(1024, 3, device=_CUDA), torch.ones(3, device=_CUDA)
+    return _us(
+        lambda: cast_launch._launch(
+            x, scale, scale, history, 1, 3, torch.float8_e4m3fn, True,
+            snapshot=True, new_step=False, column_sums=False, op="identity", aux=None,
+        )
+    )  # fmt: skip
+
+
+def shape_rows(m: int, n: int) -> dict[str, tuple[float, int]]:
+    """``{what: (microseconds, bytes moved per element)}`` for an ``m x n`` bf16 tensor."""
+    x = torch.randn(m, n, device=_CUDA, dtype=torch.bfloat16)
+    best, block = min((_minimal_us(x, block), block) for block in BLOCKS)
+    return {
+        "fp8state cast + transpose": (_fp8state_us(x), 4),
+        f"minimal cast + transpose {block}": (best, 4),
+        "Tensor.to(float8_e4m3fn)": (_us(lambda: x.to(torch.float8_e4m3fn)), 3),
+        "bf16 copy": (_us(x.clone), 4),
+    }
+
+
+def main() -> None:
+    spin_up(_CUDA, 3)
+    for m, n in SHAPES:
+        for name, (micros, bytes_per_element) in shape_rows(m, n).items():
+            rate = m * n * bytes_per_element / micros / 1e3
+            print(f"{m}x{n} {name}: {micros:.1f} us, {rate:.0f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
