@@ -164,6 +164,19 @@ def test_profile_step_benchmark_quick_run() -> None:
     assert stdout.count("Ordered by: internal time") == 2  # one profile per FP8 mode
 
 
+def test_take_part_cost_benchmark_runs_two_gloo_ranks() -> None:
+    stdout = _script("take_part_cost.py", "--quick", timeout=300)
+    for case in (
+        "every layer fp8state's, world group",
+        "the first layer fp8state's, world group",
+        "every layer fp8state's, a group of its own rank",
+        "nn.Linear layers inside fp8_autocast, world group",
+        "nn.Linear layers",
+    ):
+        assert f"\n{case}: " in f"\n{stdout}"
+    assert "taking part: " in stdout and "us per fallback call" in stdout
+
+
 def test_fallback_probe_host_mode_runs_on_cpu() -> None:
     stdout = _script(
         "fallback_probe.py",
