@@ -7,12 +7,12 @@ Under an amax reduction over several ranks, a module whose GEMM falls back to hi
 still registers for both of the step's reductions (docs/fp8_compute.md, "Ranks that decide
 differently"). This runs ``--ranks`` processes, gloo on the CPU or NCCL with a GPU each
 (``--device cuda``); each times fwd+bwd steps of a stack of ``fp8state.Linear`` layers whose
-GEMMs all fall back, under ``fp8_autocast`` with the world group (every call takes part, and each step runs its two all-reduces), the same
-with only the first layer fp8state's (the rest ``nn.Linear``: the all-reduces' cost per
-step), with a group of its own rank only (nothing is reduced, nothing takes part), and
-``nn.Linear`` layers inside and outside ``fp8_autocast``. Rank 0 prints milliseconds per step
-(median of rounds, the cases alternating) and what taking part costs per fallback call and
-per step.
+GEMMs all fall back, under ``fp8_autocast`` with the world group (every call takes part, and
+each step runs its two all-reduces), the same with only the first layer fp8state's (the rest
+``nn.Linear``: the all-reduces' cost per step), with a group of its own rank only (nothing is
+reduced, nothing takes part), and ``nn.Linear`` layers inside and outside ``fp8_autocast``.
+Rank 0 prints milliseconds per step (median of rounds, the cases alternating) and what
+taking part costs per fallback call and per step.
 """
 
 from __future__ import annotations
