@@ -1,4 +1,5 @@
-"""On CUDA, a step's scale updates for many modules run as one launch: same bits as one by one."""
+"""On CUDA, a step's scale updates for many modules run as one launch: same bits as the pure
+functions compute without Triton."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _train(model: nn.Module, steps: int) -> None:
         y.square().mean().backward()
 
 
-def test_batched_step_equals_module_by_module(monkeypatch) -> None:
+def test_batched_step_equals_the_pure_functions(monkeypatch) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
         *(fp8state.Linear(64, 64, device="cuda") for _ in range(6)),
