@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from fp8state import scaling
 from fp8state._runtime.buffers import buffer_name
 from fp8state._runtime.friend import FP8Friend
 from fp8state._runtime.generation import buffer_generation
+from fp8state._runtime.scale_update import update_direction_
 from fp8state._runtime.slot_cast import kernels_available
 from fp8state.recipe import DelayedScaling
 from fp8state.scaling import shift_histories_
+from fp8state.schema import DirectionState
 from fp8state.slots import Direction
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def _adopt(recipe: DelayedScaling, modules: Iterable[FP8Friend]) -> None:
 def _update_concatenated(
     direction: Direction, recipe: DelayedScaling, modules: list[FP8Friend]
 ) -> None:
-    """Every module's update by one call of the pure functions (no Triton: CPU, MPS, ...).
+    """Every module's update by one call of the direction's update (no Triton: CPU, MPS, ...).
 
     The windows of all histories side by side make one history, their scales one vector:
     the max over each column and the elementwise rest are what each module's own update
@@ -143,18 +144,16 @@ def _update_concatenated(
     """
     _adopt(recipe, modules)
     metas = [m.fp8_meta(direction) for m in modules]
-    window = recipe.amax_history_len
-    scale, scale_inv = scaling.update_scale(
+    window = recipe.amax_history_len  # histories may hold more rows: the windows line up
+    together = DirectionState(
         torch.cat([m.amax_history[:window] for m in metas], dim=1),
         torch.cat([m.scale for m in metas]),
-        window=window,
-        algo=recipe.amax_compute_algo,
-        fp8_max=recipe.fp8_format.max(direction),
-        margin=recipe.margin,
+        torch.cat([m.scale_inv for m in metas]),
     )
+    update_direction_(together, recipe, direction)
     sizes = [m.scale.numel() for m in metas]
-    torch._foreach_copy_([m.scale for m in metas], list(scale.split(sizes)))
-    torch._foreach_copy_([m.scale_inv for m in metas], list(scale_inv.split(sizes)))
+    torch._foreach_copy_([m.scale for m in metas], list(together.scale.split(sizes)))
+    torch._foreach_copy_([m.scale_inv for m in metas], list(together.scale_inv.split(sizes)))
     for module in modules:
         module._fp8_close_step(direction)
 

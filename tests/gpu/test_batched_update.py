@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fp8state
-from fp8state._runtime import amax_reduction
+from fp8state._runtime import amax_reduction, scale_update
 from fp8state._runtime.amax_reduction import PendingSteps, reduce_and_update
 
 pytestmark = [
@@ -46,7 +46,8 @@ def test_batched_step_equals_the_pure_functions(monkeypatch) -> None:
     )
     _train(model, 3)
     assert calls.count("fwd") == 3 and calls.count("bwd") == 3  # one launch per direction
-    monkeypatch.setattr(amax_reduction, "kernels_available", lambda device: False)
+    for owner in (amax_reduction, scale_update):  # the twin updates without Triton
+        monkeypatch.setattr(owner, "kernels_available", lambda device: False)
     _train(twin, 3)
     for a, b in zip(model, twin, strict=True):
         for d in ("fwd", "bwd"):
