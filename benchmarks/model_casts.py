@@ -45,7 +45,12 @@ def layer_casts(tokens: int) -> list[tuple[str, int, int, str, bool, bool, int]]
 
 
 def cast_us(
-    x: torch.Tensor, aux: torch.Tensor | None, op: str, transpose: bool, sums: bool
+    x: torch.Tensor,
+    aux: torch.Tensor | None,
+    op: str,
+    transpose: bool,
+    sums: bool,
+    iters: int = 30,
 ) -> float:
     """Device microseconds of one default cast of ``x`` (a later record of a step)."""
     history, scale = torch.zeros(1024, 3, device=_CUDA), torch.ones(3, device=_CUDA)
@@ -67,7 +72,7 @@ def cast_us(
         ),
         _CUDA,
         5,
-        30,
+        iters,
     )
 
 
