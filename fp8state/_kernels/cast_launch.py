@@ -353,6 +353,9 @@ def _launch(
             max(1, 2048 // slots_block),
             code,
             _FAST_DIV,
+            # The explicit clamp only where the conversion alone was found wrong in the
+            # transposed copy (see triton_cast): a bf16/fp16 tensor cast as it is goes without.
+            op != "identity" or x_2d.dtype == torch.float32,
         ),
         device,
         num_warps=warps,

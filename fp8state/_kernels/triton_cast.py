@@ -96,6 +96,7 @@ def _cast_tile(
     TRANSPOSE: tl.constexpr,
     OP: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     """Cast one ``rows x cols`` tile (and store its transpose).
 
@@ -108,9 +109,16 @@ def _cast_tile(
     x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
     ax = tl.abs(x)
     running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
-    scaled = x * scale
-    # Saturate like torch.clamp, keeping NaN (hardware min/max would turn it into a bound).
-    y = tl.where(scaled != scaled, scaled, tl.minimum(tl.maximum(scaled, -fp8_max), fp8_max))
+    y = x * scale
+    # The conversion itself saturates: on the devices this kernel runs on (compute capability
+    # 9.0 and up, see fp8state._runtime.slot_cast) Triton converts with cvt.rn.satfinite,
+    # which rounds once, takes finite values and infinities past the maximum to it and keeps
+    # NaN, as torch.clamp then Tensor.to do. The clamp stays where the launch asks for it
+    # (CLAMP): without it, Triton 3.6 redoes the conversion in the transposed copy's layout
+    # for float32 inputs and the GELU ops, and gets that copy wrong (tests/gpu/test_cast_slot.py
+    # checks every op and dtype). The select keeps NaN (hardware min/max would bound it).
+    if CLAMP:
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fp8_max), fp8_max))
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offsets, y, mask=mask)
     if TRANSPOSE:
@@ -150,6 +158,7 @@ def cast_kernel(
     CHUNK: tl.constexpr,
     OP: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):
     # span is a multiple of the block along the program's loop and specialized (Triton then
     # knows each tile starts aligned and vectorizes the loads; unspecialized, the cast ran at
@@ -190,6 +199,7 @@ def cast_kernel(
                 TRANSPOSE,
                 OP,
                 FAST_DIV,
+                CLAMP,
             )
             sums += x
         part, in_cols = tl.sum(sums, axis=0), cols < N
@@ -229,6 +239,7 @@ def cast_kernel(
                 TRANSPOSE,
                 OP,
                 FAST_DIV,
+                CLAMP,
             )
     amax = tl.max(tl.max(running, axis=1), axis=0)
     if SHIFT:

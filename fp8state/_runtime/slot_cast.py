@@ -1,10 +1,10 @@
 """Cast an operand to FP8 and record its amax, fused on CUDA, with pure functions elsewhere.
 
-:func:`cast_and_record` is the one entry point the modules use. On CUDA (with Triton) it runs
-one kernel that reads the tensor once and writes the FP8 copy, its transpose when backward
-needs one, and the amax straight into the slot's history cell. Elsewhere it runs the pure
-functions of :mod:`fp8state.quantize`, which define the result: the GPU tests compare the two
-bit for bit.
+:func:`cast_and_record` is the one entry point the modules use. On CUDA (with Triton, on the
+devices :func:`converts_in_one_rounding` accepts) it runs one kernel that reads the tensor once
+and writes the FP8 copy, its transpose when backward needs one, and the amax straight into the
+slot's history cell. Elsewhere it runs the pure functions of :mod:`fp8state.quantize`, which
+define the result: the GPU tests compare the two bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fp8state.scaling import shift_history
 __all__ = [
     "cast_and_record",
     "cast_slot",
+    "converts_in_one_rounding",
     "fused_kernel_available",
     "kernels_available",
     "transpose_fp8",
@@ -47,9 +48,28 @@ def _kernel_layout(x: torch.Tensor) -> bool:
     )
 
 
+# Triton converts float32 to FP8 with one rounding (``cvt.rn.satfinite``: to nearest, finite
+# values and infinities past the maximum saturated, NaN kept) on NVIDIA GPUs from compute
+# capability 9.0. Below 8.9 it has no E4M3 type (compiling the cast raises); on 8.9 it
+# truncates to float16 first and rounds that, a second rounding that can move an element one
+# FP8 step from the reference; ROCm builds convert differently again. Those take the reference
+# path, which gives the same bits as CPU.
+_ONE_ROUNDING_FROM = (9, 0)
+
+
+@functools.cache
+def converts_in_one_rounding(index: int) -> bool:
+    """Whether the fused cast's FP8 conversion rounds exactly as the reference on ``cuda:index``."""
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(index) >= _ONE_ROUNDING_FROM
+
+
 def fused_kernel_available(x: torch.Tensor) -> bool:
     """Whether :func:`cast_and_record` runs the fused Triton kernel for ``x``."""
-    return x.dtype in _KERNEL_DTYPES and _kernel_layout(x)
+    return (
+        x.dtype in _KERNEL_DTYPES and _kernel_layout(x) and converts_in_one_rounding(x.device.index)
+    )
 
 
 def kernels_available(device: torch.device) -> bool:

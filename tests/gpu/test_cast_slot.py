@@ -242,3 +242,36 @@ def test_fused_ops_match_reference_values(op, transpose) -> None:
     torch.testing.assert_close(hist[0, 2], finite_amax(value), rtol=1e-5, atol=0)
     assert torch.equal(hist[1:], before[:-1])
     torch.testing.assert_close(sums, value.double().sum(0).float(), rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("op", ["identity", "gelu", "dgelu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("column_sums", [False, True])
+def test_transposed_copy_is_the_copy_transposed(op, dtype, column_sums) -> None:
+    """The transposed FP8 copy holds the row-major copy's bytes, for every op and input dtype.
+
+    The two layouts come from one conversion only if the compiler keeps it in the tile's own
+    layout; done again in the transposed layout it went wrong for float32 inputs and the
+    GELU ops (Triton 3.6). Specials included: they take the saturating paths.
+    """
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for shape in [(8192, 2048), (4096, 512), (1000, 33), (7, 300)]:
+        x = (torch.randn(*shape, device="cuda", generator=gen) * 30).to(dtype)
+        x.view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -1e9])
+        aux = torch.randn(*shape, device="cuda", generator=gen).to(dtype) if op == "dgelu" else None
+        hist, scale, scale_inv = (t.cuda() for t in _buffers(8, 3, 4))
+        out, out_t, _, _ = cast_slot(
+            x,
+            scale,
+            scale_inv,
+            hist,
+            1,
+            torch.float8_e4m3fn,
+            transpose=True,
+            new_step=False,
+            column_sums=column_sums,
+            op=op,
+            aux=aux,
+        )
+        assert out_t is not None
+        assert torch.equal(out_t.view(torch.uint8), out.view(torch.uint8).t().contiguous()), shape

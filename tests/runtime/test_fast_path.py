@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8state
+from fp8state._runtime import slot_cast
 from fp8state._runtime.slot_cast import cast_and_record, fused_kernel_available
 from fp8state.backends import DEFAULT_MIN_GEMM_MACS, GRAPHED_MIN_GEMM_MACS, min_gemm_macs
 from fp8state.quantize import finite_amax, quantize
@@ -139,3 +140,28 @@ def test_cast_saturates_instead_of_producing_nan(value: float) -> None:
         x, torch.tensor([1.0]), torch.zeros(1), torch.float8_e4m3fn, transpose=False
     )
     assert torch.equal(x_fp8.float(), torch.full((2, 2), 448.0 if value > 0 else -448.0))
+
+
+@pytest.mark.parametrize(
+    "capability,hip,fused",
+    [
+        ((7, 0), None, False),  # no FP8 type in Triton at all: compiling the cast would raise
+        ((8, 0), None, False),
+        ((8, 9), None, False),  # converts through float16 first: a second rounding
+        ((9, 0), None, True),
+        ((10, 0), None, True),
+        ((9, 4), "6.2", False),  # ROCm converts its own way
+    ],
+)
+def test_fused_cast_only_where_the_conversion_rounds_once(
+    monkeypatch, capability, hip, fused
+) -> None:
+    """Which CUDA devices run the fused cast kernel, decided from the device alone."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    slot_cast.converts_in_one_rounding.cache_clear()
+    try:
+        assert slot_cast.converts_in_one_rounding(0) is fused
+    finally:
+        monkeypatch.undo()
+        slot_cast.converts_in_one_rounding.cache_clear()
