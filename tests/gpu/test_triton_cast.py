@@ -42,8 +42,9 @@ def test_kernel_matches_reference(shape, dtype, fp8_dtype) -> None:
 def test_saturation_and_rounding_at_the_edges_match_reference(fp8_dtype, shape) -> None:
     """Values around the FP8 maximum, beyond it, infinities, NaN, ties and subnormals.
 
-    The kernel leaves the saturation to the hardware conversion: it must give what clamping
-    and then converting gives, at every edge the clamp would have handled.
+    Float32 operands are clamped before the conversion; bf16 and fp16 ones are left to the
+    conversion's own saturation (values past the maximum and infinities for those:
+    test_kernel_matches_reference). Either way the bits are clamping's and then converting's.
     """
     top = torch.finfo(fp8_dtype).max
     edges = torch.tensor(
