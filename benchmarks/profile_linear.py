@@ -44,7 +44,7 @@ CONFIGS = {
     ],
     (True, False): [(bm, bn, w, sp) for bm, bn, w in _TILES for sp in (1, 2, 4, 8, 16, 32)],
 }
-# With column sums the split is along the rows: 8-64 programs per column tile.
+# With column sums the split is along the rows: 4-64 programs per column tile.
 _SUM_TILES = [
     (16, 128, 4),
     (16, 128, 8),
@@ -58,7 +58,7 @@ _SUM_TILES = [
     (64, 128, 8),
 ]
 CONFIGS[False, True] = CONFIGS[True, True] = [
-    (bm, bn, w, sp) for bm, bn, w in _SUM_TILES for sp in (8, 16, 32, 64)
+    (bm, bn, w, sp) for bm, bn, w in _SUM_TILES for sp in (4, 8, 16, 32, 64)
 ]
 
 

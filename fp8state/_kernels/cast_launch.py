@@ -35,33 +35,41 @@ def default_config(
     runs of each transposed column and the column split gives every SM several programs.
     GELU's derivative (two inputs) likes 8 warps, GELU itself (more arithmetic per byte)
     smaller tiles. Smaller tensors get fewer rows per program. Column sums: eight programs
-    walk down each 64-column tile, 3.3 TB/s without the transpose; with it, 32 programs of
-    32-row blocks, 2.6 TB/s (8 of 64 rows: 2.3; about half that when programs walked along
-    rows and reduced every tile across warps). GELU's derivative with sums takes 128-column
-    tiles: 32 programs of 16 rows each (3.2 TB/s), or 8 of 32 rows with the transpose (2.8
-    TB/s, against 2.0 for 16 of 16).
+    walk down each 64-column tile, 3.3 TB/s without the transpose (about half that when
+    programs walked along rows and reduced every tile across warps).
+
+    Column sums with the transpose (every output gradient of a Linear with a bias), timed
+    after the clamp left the kernel for bf16 operands (``--column-sums --configs ...``, each
+    beside the rule it replaced: 32-row blocks, at most one program per 16 row blocks): 64-row
+    blocks, and as many programs per column tile as keep them at 512 or fewer, a power of two.
+    16384x4096: 83.4 against 99.6 us (3.2 TB/s); 16384x2048 45.7 against 59.1; 8192x2048 25.7
+    against 30.6; 8192x6144 69.3 against 72.7 (six programs per tile instead of four: 80.1);
+    2048x2048 9.3 against 9.6; 2048x6144 20.0-20.5 against 19.4-19.8, the one shape where the
+    old rule was faster. GELU's derivative with sums, 128-column tiles of eight programs of 32-row
+    blocks: 2048x8192 36.2 against 38.8 us for 16-row blocks, 8192x8192 115.1 against 120.8,
+    16384x16384 427.6 against 424.3 (32 programs of 16 rows).
 
     Tensors of 2048 rows (a 2048-token step, the 16-layer model's; ``--cast-shape 2048xN``):
     with the transpose, 64-row blocks beat 32-row ones though only 256 programs ran (7.3 against
     9.3 us at 2048x2048, 27.9 against 31.0 at 2048x8192; sixteen per row block since, below).
-    Column sums: at most one program per 16 row blocks of a column tile, and no fewer than
-    eight, before the narrow-tensor rule (with the transpose, 21.2 against 32.2 us at 2048x6144
-    and 32.1 against more than 34.8 at 4096x4096 with eight programs instead of 32 and 16; 10.7
-    against 13.6 at 2048x2048, where the narrow rule makes it sixteen; at 8192x4096, 16, where
-    eight and 32 measured alike, 58.3 and 58.5; GELU's derivative without the transpose, 36.7
-    against 50.8 at 2048x8192). Without the transpose, two programs per row block where there
-    are fewer than 512 blocks (2048x8192: 18.1 against 25.2 us, GELU 24.6 against 30.7;
-    2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks, one stays faster: 16.3 against
-    17.2). More programs per row block at 2048 rows, timed on a later lease (``--cast-shape
-    2048xN [--op gelu] --configs ...``, each beside the one it replaced): with the transpose,
-    sixteen per 64-row block (2048x8192: 23.1 against 28.2 us; 2048x2048 alike, 7.3 both); GELU
-    without it, eight (2048x8192: 22.5 against 24.5). Other row counts keep the splits above.
+    Column sums without the transpose: at most one program per 16 row blocks of a column tile,
+    and no fewer than eight, before the narrow-tensor rule. Casts without the transpose: two
+    programs per row block where there are fewer than 512 blocks (2048x8192: 18.1 against
+    25.2 us, GELU 24.6 against 30.7; 2048x2048 alike, 6.1 and 6.2; at 8192x2048, 1024 blocks,
+    one stays faster: 16.3 against 17.2). More programs per row block at 2048 rows, timed on
+    a later lease (``--cast-shape 2048xN [--op gelu] --configs ...``, each beside the one it
+    replaced): with the transpose, sixteen per 64-row block (2048x8192: 23.1 against 28.2 us;
+    2048x2048 alike, 7.3 both); GELU without it, eight (2048x8192: 22.5 against 24.5). Other
+    row counts keep the splits above.
     """
     if column_sums:
         if op == "dgelu":
-            block_m, block_n, warps, split = (32, 128, 8, 8) if transpose else (16, 128, 8, 32)
+            block_m, block_n, warps, split = 32, 128, 8, 8
         elif transpose:
-            block_m, block_n, warps, split = 32, 64, 4, 32
+            # A power of two: uneven shares of the rows were slower (above).
+            block_m, block_n, warps = 64, 64, 4
+            split = 1 << max(0, (512 // triton.cdiv(cols, block_n)).bit_length() - 1)
+            return block_m, block_n, warps, max(1, min(split, triton.cdiv(rows, block_m)))
         else:
             block_m, block_n, warps, split = 64, 64, 8, 8
         # Shorter tensors: at most one program per 16 row blocks of a column tile (but not
@@ -192,8 +200,6 @@ def cast_slot(
 # captured into a CUDA graph gets a pair of its own (see _scratch).
 _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(cast_kernel)
-# libdevice's fast division is NVIDIA's (ROCm builds of torch also report "cuda" devices).
-_FAST_DIV = torch.version.hip is None
 _FP8_MAX = {
     dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 }
@@ -352,10 +358,10 @@ def _launch(
             slots_block,
             max(1, 2048 // slots_block),
             code,
-            _FAST_DIV,
             # The explicit clamp only where the conversion alone was found wrong in the
-            # transposed copy (see triton_cast): a bf16/fp16 tensor cast as it is goes without.
-            op != "identity" or x_2d.dtype == torch.float32,
+            # transposed copy (see triton_cast): a bf16/fp16 tensor cast as it is, and any
+            # cast without the transposed copy (GELU's and its gradient's), go without.
+            transpose and (op != "identity" or x_2d.dtype == torch.float32),
         ),
         device,
         num_warps=warps,

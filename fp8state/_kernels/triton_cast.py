@@ -51,7 +51,7 @@ _KAPPA = tl.constexpr(0.044715)
 
 
 @triton.jit
-def _sigmoid_2u(u, FAST_DIV: tl.constexpr):
+def _sigmoid_2u(u):
     """``sigmoid(2u) = (1 + tanh(u)) / 2``, without tanh's cancellation near -1.
 
     GELU (tanh form) is ``x * sigmoid(2u)``: written with ``1 + tanh(u)`` it loses all
@@ -59,21 +59,19 @@ def _sigmoid_2u(u, FAST_DIV: tl.constexpr):
     tanh's absolute error (about 2**-11 * |t|) would be larger than GELU itself there. exp and
     a fast reciprocal keep about 1e-6 relative error everywhere, and 0 and 1 in the limits
     (``1 / inf`` is 0). The exact IEEE division made the cast compute-bound (1.9 TB/s).
+    libdevice's fast division is NVIDIA's: the kernel runs on NVIDIA devices only
+    (:func:`fp8state._runtime.slot_cast.converts_in_one_rounding`).
     """
-    denominator = 1.0 + tl.exp(-2.0 * u)
-    if FAST_DIV:
-        return libdevice.fast_dividef(1.0, denominator)
-    else:
-        return 1.0 / denominator
+    return libdevice.fast_dividef(1.0, 1.0 + tl.exp(-2.0 * u))
 
 
 @triton.jit
-def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr, FAST_DIV: tl.constexpr):
+def _apply_op(x, aux_ptr, offsets, mask, OP: tl.constexpr):
     if OP == 1:
-        x = x * _sigmoid_2u(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x), FAST_DIV)
+        x = x * _sigmoid_2u(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x))
     elif OP == 2:
         h = tl.load(aux_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        s = _sigmoid_2u(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h), FAST_DIV)
+        s = _sigmoid_2u(_SQRT_2_OVER_PI * (h + _KAPPA * h * h * h))
         # d/dh [h * sigmoid(2u(h))] = s + 2 h s (1 - s) u'(h)
         slope = s + 2.0 * h * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _KAPPA * h * h)
         x = x * slope
@@ -95,7 +93,6 @@ def _cast_tile(
     running,
     TRANSPOSE: tl.constexpr,
     OP: tl.constexpr,
-    FAST_DIV: tl.constexpr,
     CLAMP: tl.constexpr,
 ):
     """Cast one ``rows x cols`` tile (and store its transpose).
@@ -106,7 +103,7 @@ def _cast_tile(
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offsets = rows[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP, FAST_DIV)
+    x = _apply_op(x.to(tl.float32), aux_ptr, offsets, mask, OP)
     ax = tl.abs(x)
     running = tl.maximum(running, tl.where(ax < float("inf"), ax, 0.0))  # drops inf, NaN
     y = x * scale
@@ -114,9 +111,11 @@ def _cast_tile(
     # 9.0 and up, see fp8state._runtime.slot_cast) Triton converts with cvt.rn.satfinite,
     # which rounds once, takes finite values and infinities past the maximum to it and keeps
     # NaN, as torch.clamp then Tensor.to do. The clamp stays where the launch asks for it
-    # (CLAMP): without it, Triton 3.6 redoes the conversion in the transposed copy's layout
-    # for float32 inputs and the GELU ops, and gets that copy wrong (tests/gpu/test_cast_slot.py
-    # checks every op and dtype). The select keeps NaN (hardware min/max would bound it).
+    # (CLAMP): when the tile is also stored transposed, Triton 3.6 redoes the conversion in
+    # the transposed layout for float32 inputs and the GELU ops, and gets that copy wrong
+    # without it (tests/gpu/test_cast_slot.py checks every op and dtype). A cast without the
+    # transposed copy has one layout and never needs it. The select keeps NaN (hardware
+    # min/max would bound it).
     if CLAMP:
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -fp8_max), fp8_max))
     y = y.to(out_ptr.dtype.element_ty)
@@ -157,7 +156,6 @@ def cast_kernel(
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
     OP: tl.constexpr,
-    FAST_DIV: tl.constexpr,
     CLAMP: tl.constexpr,
 ):
     # span is a multiple of the block along the program's loop and specialized (Triton then
@@ -198,7 +196,6 @@ def cast_kernel(
                 running,
                 TRANSPOSE,
                 OP,
-                FAST_DIV,
                 CLAMP,
             )
             sums += x
@@ -238,7 +235,6 @@ def cast_kernel(
                 running,
                 TRANSPOSE,
                 OP,
-                FAST_DIV,
                 CLAMP,
             )
     amax = tl.max(tl.max(running, axis=1), axis=0)

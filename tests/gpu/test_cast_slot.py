@@ -275,3 +275,50 @@ def test_transposed_copy_is_the_copy_transposed(op, dtype, column_sums) -> None:
         )
         assert out_t is not None
         assert torch.equal(out_t.view(torch.uint8), out.view(torch.uint8).t().contiguous()), shape
+
+
+@pytest.mark.parametrize("op", ["identity", "gelu", "dgelu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("column_sums", [False, True])
+def test_casts_without_a_transposed_copy_saturate_as_the_reference(
+    op, dtype, fp8_dtype, column_sums
+) -> None:
+    """A cast that writes one layout leaves the saturation to the conversion, for every op.
+
+    Values past the maximum and infinities become the maximum, NaN stays NaN, the rest rounds
+    once: ``quantize``'s bits. The inputs keep the kernel's GELU and the reference's equal
+    (GELU is the identity from about 10 up and its slope at 100 is 1, in float32 both ways),
+    so the bits can be compared exactly; GELU's own values: test_fused_ops_match_reference_values.
+    """
+    from fp8state.quantize import apply_op, quantize
+
+    top = torch.finfo(fp8_dtype).max
+    edges = [top, top * 1.03, top * 1.0625, top * 1.07, top * 1.2, 3e38, float("inf"), 10.0]
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    x = torch.empty(61, 130, device="cuda").uniform_(10.0, 2 * top, generator=gen)
+    flat = x.view(-1)
+    flat[: len(edges)] = torch.tensor(edges, device="cuda")
+    flat[len(edges)] = float("nan")
+    if op != "gelu":  # GELU of a negative input is not the input
+        flat[len(edges) + 1 :: 2] *= -1
+    x = x.to(dtype)
+    aux = torch.full_like(x, 100.0) if op == "dgelu" else None
+    hist, scale, scale_inv = (t.cuda() for t in _buffers(8, 3, 6))
+    scale.fill_(1.0)
+    out, out_t, _, _ = cast_slot(
+        x,
+        scale,
+        scale_inv,
+        hist,
+        1,
+        fp8_dtype,
+        transpose=False,
+        new_step=False,
+        column_sums=column_sums,
+        op=op,
+        aux=aux,
+    )
+    assert out_t is None
+    ref = quantize(apply_op(x, op, aux), scale[1:2], fp8_dtype)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
