@@ -266,7 +266,8 @@ def _plan(
         span = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, span))
     slots_block = triton.next_power_of_2(max(n_slots, 2))
-    specs = (block_m, block_n, warps, slots_block, int_spec(m), int_spec(n), int_spec(span))
+    ints = (m, n, span, grid[0])  # grid[0]: the casting programs per column range or tile
+    specs = (block_m, block_n, warps, slots_block, *map(int_spec, ints))
     return grid, block_m, block_n, warps, span, slots_block, specs
 
 
@@ -327,7 +328,9 @@ def _launch(
     )
     _LAUNCHER(
         key,
-        grid,
+        # One program per row block or column tile share, and one more to shift the history
+        # when the launch opens a step (see triton_cast.cast_kernel).
+        (grid[0] * grid[1] + new_step,),
         (
             x_2d,
             aux_t,
@@ -347,6 +350,7 @@ def _launch(
             m,
             n,
             span,
+            grid[0],
             _FP8_MAX[fp8_dtype],
             block_m,
             block_n,

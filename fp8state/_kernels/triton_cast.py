@@ -7,10 +7,11 @@ launch can also open a new step (shift the history down one row first), copy the
 inverse scale for backward, sum the columns (a bias gradient), and cast GELU of the input or
 the input times GELU's derivative instead of the input itself (:data:`OPS`).
 
-Programs form a 2-D grid (:func:`fp8state._kernels.cast_launch.default_config`): each takes
-one ``BLOCK_M``-row block and walks a range of its ``BLOCK_N`` column tiles, or, when it sums
-columns, one column tile and walks a range of its row blocks; one atomic per program for the
-amax. :mod:`fp8state._kernels.cast_launch` launches it.
+Casting programs (:func:`fp8state._kernels.cast_launch.default_config`) each take one
+``BLOCK_M``-row block and walk a range of its ``BLOCK_N`` column tiles, or, when they sum
+columns, one column tile and walk a range of its row blocks; one atomic per program for the
+amax. A launch that opens a step has one more program, which only shifts the history.
+:mod:`fp8state._kernels.cast_launch` launches it.
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def _cast_tile(
     return x, running
 
 
-@triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
-def cast_kernel(
+@triton.jit
+def _cast_share(
+    pid,
     x_ptr,
     aux_ptr,
     out_ptr,
@@ -134,44 +136,30 @@ def cast_kernel(
     scale_ptr,
     inv_ptr,
     inv_out_ptr,
-    hist_ptr,
-    scratch_ptr,
     sums_ptr,
     partial_ptr,
     count_ptr,
     slot,
-    n_slots,
-    hist_rows,
     M,
     N,
     span,
+    grid_m,
     fp8_max,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     SNAPSHOT: tl.constexpr,
-    SHIFT: tl.constexpr,
     COLSUM: tl.constexpr,
     SPLIT_ROWS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    CHUNK: tl.constexpr,
     OP: tl.constexpr,
     CLAMP: tl.constexpr,
 ):
-    # span is a multiple of the block along the program's loop and specialized (Triton then
-    # knows each tile starts aligned and vectorizes the loads; unspecialized, the cast ran at
-    # 2/3 the speed).
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if SHIFT:
-        # First record of a step: the history shifts down before row 0 takes this cast's
-        # amax. One program shifts while the others cast (a shift left to the last program
-        # to finish added its dependent round trips to every such launch); the last program
-        # writes row 0 once every program, this one included, has counted itself done.
-        if (pid_m == 0) & (pid_n == 0):
-            _shift_history(hist_ptr, n_slots, hist_rows, SLOTS, CHUNK)
+    """Casting program ``pid``'s share of the tensor; returns its amax (finite ``|x|``)."""
+    # Programs are numbered row block (or row range) first, as a 2-D grid would dispatch them.
+    pid_m, pid_n = pid % grid_m, pid // grid_m
     scale = tl.load(scale_ptr + slot)
     if SNAPSHOT:  # the inverse scale as of this cast, for backward (the live one moves on)
-        tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=(pid_m == 0) & (pid_n == 0))
+        tl.store(inv_out_ptr, tl.load(inv_ptr + slot), mask=pid == 0)
     running = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if COLSUM:
         # Program (pid_m, pid_n): one BLOCK_N column tile, ``span`` rows of it, walked down.
@@ -206,9 +194,9 @@ def cast_kernel(
             # rows up in row order (bit-reproducible), reading past L1, and resets the tile's
             # counter for the next launch on this stream. No reduction launched afterwards.
             tl.store(partial_ptr + pid_m * N + cols, part, mask=in_cols)
-            if tl.atomic_add(count_ptr + pid_n, 1) == tl.num_programs(0) - 1:
+            if tl.atomic_add(count_ptr + pid_n, 1) == grid_m - 1:
                 total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                for row in range(0, tl.num_programs(0)):
+                for row in range(0, grid_m):
                     total += tl.load(
                         partial_ptr + row * N + cols, mask=in_cols, other=0.0, cache_modifier=".cg"
                     )
@@ -237,18 +225,81 @@ def cast_kernel(
                 OP,
                 CLAMP,
             )
-    amax = tl.max(tl.max(running, axis=1), axis=0)
+    return tl.max(tl.max(running, axis=1), axis=0)
+
+
+@triton.jit
+def _count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS: tl.constexpr):
+    """Count this program done; the last one writes the step's row 0 and resets scratch.
+
+    acq_rel: whatever a program stored before counting (the shift, its amax) is visible to
+    whoever counts last. Scratch is left zeroed for the next launch on this stream.
+    """
+    if tl.atomic_add(scratch_ptr + 1, 1) == tl.num_programs(0) - 1:
+        total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
+        tl.atomic_xchg(scratch_ptr + 1, 0)
+        row0 = tl.arange(0, SLOTS)
+        tl.store(hist_ptr + row0, tl.where(row0 == slot, total, 0.0), mask=row0 < n_slots)
+
+
+@triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
+def cast_kernel(
+    x_ptr,
+    aux_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    inv_ptr,
+    inv_out_ptr,
+    hist_ptr,
+    scratch_ptr,
+    sums_ptr,
+    partial_ptr,
+    count_ptr,
+    slot,
+    n_slots,
+    hist_rows,
+    M,
+    N,
+    span,
+    grid_m,
+    fp8_max,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    SNAPSHOT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    COLSUM: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    OP: tl.constexpr,
+    CLAMP: tl.constexpr,
+):
+    # A 1-D grid: the casting programs (``grid_m`` per column range or tile) and, with
+    # SHIFT, one more ahead of them. span is a multiple of the block along the program's loop and
+    # specialized (Triton then knows each tile starts aligned and vectorizes the loads;
+    # unspecialized, the cast ran at 2/3 the speed).
+    pid = tl.program_id(0)
     if SHIFT:
-        # Each program max-combines its amax into scratch (as int bits: same order as the
-        # floats, all >= 0) and counts itself done (acq_rel: the shift's stores are visible
-        # to whoever counts last); the last one writes row 0, then resets scratch for the
-        # next launch on this stream.
-        tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
-        done = tl.atomic_add(scratch_ptr + 1, 1)
-        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-            total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
-            tl.atomic_xchg(scratch_ptr + 1, 0)
-            row0 = tl.arange(0, SLOTS)
-            tl.store(hist_ptr + row0, tl.where(row0 == slot, total, 0.0), mask=row0 < n_slots)
-    else:
-        tl.atomic_max(hist_ptr + slot, amax)
+        # First record of a step: the history shifts down before row 0 takes this cast's
+        # amax. Program 0 only shifts, while the others cast: a program that shifted and
+        # then cast its share (or cast, then shifted as the last to finish) added the shift
+        # to every such launch's time. No casting program reads the history.
+        pid = pid - 1
+    if pid >= 0:
+        amax = _cast_share(
+            pid, x_ptr, aux_ptr, out_ptr, out_t_ptr, scale_ptr, inv_ptr, inv_out_ptr,
+            sums_ptr, partial_ptr, count_ptr, slot, M, N, span, grid_m, fp8_max, BLOCK_M,
+            BLOCK_N, TRANSPOSE, SNAPSHOT, COLSUM, SPLIT_ROWS, OP, CLAMP,
+        )  # fmt: skip
+        if SHIFT:
+            # Into scratch as int bits (same order as the floats, all >= 0); the last
+            # program to count itself done writes row 0 from it.
+            tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
+        else:
+            tl.atomic_max(hist_ptr + slot, amax)
+    elif SHIFT:
+        _shift_history(hist_ptr, n_slots, hist_rows, SLOTS, CHUNK)
+    if SHIFT:
+        _count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS)
