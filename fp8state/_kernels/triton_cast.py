@@ -277,15 +277,16 @@ def cast_kernel(
     CLAMP: tl.constexpr,
 ):
     # A 1-D grid: the casting programs (``grid_m`` per column range or tile) and, with
-    # SHIFT, one more ahead of them. span is a multiple of the block along the program's loop and
-    # specialized (Triton then knows each tile starts aligned and vectorizes the loads;
-    # unspecialized, the cast ran at 2/3 the speed).
+    # SHIFT, one more ahead of them. span is a multiple of the block along the program's
+    # loop and specialized (Triton then knows each tile starts aligned and vectorizes the
+    # loads; unspecialized, the cast ran at 2/3 the speed).
     pid = tl.program_id(0)
     if SHIFT:
         # First record of a step: the history shifts down before row 0 takes this cast's
-        # amax. Program 0 only shifts, while the others cast: a program that shifted and
-        # then cast its share (or cast, then shifted as the last to finish) added the shift
-        # to every such launch's time. No casting program reads the history.
+        # amax. Program 0 only shifts, while the others cast: a casting program that also
+        # shifted (before its share, or after it as the last to finish) had the shift on its
+        # path, up to 2 us on the shapes timed (docs/benchmarks.md). No casting program
+        # reads the history.
         pid = pid - 1
     if pid >= 0:
         amax = _cast_share(
