@@ -16,7 +16,7 @@ import triton
 from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned, raw_stream
 from fp8state._kernels.triton_cast import OPS, cast_kernel
 
-__all__ = ["cast_transpose_amax", "cast_slot", "default_config"]
+__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "scratch_pair"]
 
 
 def default_config(
@@ -197,7 +197,7 @@ def cast_slot(
 
 # One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
 # one after another, and each launch leaves its pair zeroed for the next. A launch being
-# captured into a CUDA graph gets a pair of its own (see _scratch).
+# captured into a CUDA graph gets a pair of its own (see scratch_pair).
 _SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(cast_kernel)
 _FP8_MAX = {
@@ -211,7 +211,8 @@ def _stream_key(device: torch.device) -> tuple[int, int]:
     return index, raw_stream(index)
 
 
-def _scratch(device: torch.device) -> torch.Tensor:
+def scratch_pair(device: torch.device) -> torch.Tensor:
+    """The int32 (amax bits, programs done) pair a launch that opens a step gathers in."""
     if torch.cuda.is_current_stream_capturing():
         # A graph replays on whatever stream it is given, maybe beside eager launches that
         # share this stream's pair: its own pair, zeroed by the graph at each replay.
@@ -296,7 +297,7 @@ def _launch(
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
-    scratch = _scratch(device) if new_step else scale
+    scratch = scratch_pair(device) if new_step else scale
     split_rows = column_sums and grid[0] > 1
     if column_sums:  # as Tensor.sum: the input's dtype, or float32 for a computed value
         sums = torch.empty(

@@ -10,7 +10,8 @@ the input times GELU's derivative instead of the input itself (:data:`OPS`).
 Casting programs (:func:`fp8state._kernels.cast_launch.default_config`) each take one
 ``BLOCK_M``-row block and walk a range of its ``BLOCK_N`` column tiles, or, when they sum
 columns, one column tile and walk a range of its row blocks; one atomic per program for the
-amax. A launch that opens a step has one more program, which only shifts the history.
+amax. A launch that opens a step has one more program, which only shifts the history
+(:mod:`fp8state._kernels.triton_record`).
 :mod:`fp8state._kernels.cast_launch` launches it.
 """
 
@@ -20,28 +21,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from fp8state._kernels.triton_record import count_done, record_amax, shift_history
 from fp8state.quantize import CAST_OPS
 
 __all__ = ["OPS", "cast_kernel"]
-
-
-@triton.jit
-def _shift_history(hist_ptr, n_slots, hist_rows, SLOTS: tl.constexpr, CHUNK: tl.constexpr):
-    """Shift the history down one row (row 0 stays as it was, until the step's amax is known).
-
-    Run by one program only, while the others cast: no program reads the history. Chunks go
-    from the bottom up so that each row is read before the chunk below overwrites it; the
-    barriers order each chunk's loads before its stores across the program's threads.
-    """
-    cols = tl.arange(0, SLOTS)
-    in_row = cols < n_slots
-    for done in range(0, hist_rows - 1, CHUNK):  # a positive step: Triton loops need one
-        dst = hist_rows - 1 - done - tl.arange(0, CHUNK)
-        mask = (dst >= 1)[:, None] & in_row[None, :]
-        moved = tl.load(hist_ptr + (dst - 1)[:, None] * n_slots + cols[None, :], mask=mask)
-        tl.debug_barrier()
-        tl.store(hist_ptr + dst[:, None] * n_slots + cols[None, :], moved, mask=mask)
-        tl.debug_barrier()
 
 
 # What the kernel casts: the input itself, GELU (tanh approximation) of it, or the input (an
@@ -228,20 +211,6 @@ def _cast_share(
     return tl.max(tl.max(running, axis=1), axis=0)
 
 
-@triton.jit
-def _count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS: tl.constexpr):
-    """Count this program done; the last one writes the step's row 0 and resets scratch.
-
-    acq_rel: whatever a program stored before counting (the shift, its amax) is visible to
-    whoever counts last. Scratch is left zeroed for the next launch on this stream.
-    """
-    if tl.atomic_add(scratch_ptr + 1, 1) == tl.num_programs(0) - 1:
-        total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
-        tl.atomic_xchg(scratch_ptr + 1, 0)
-        row0 = tl.arange(0, SLOTS)
-        tl.store(hist_ptr + row0, tl.where(row0 == slot, total, 0.0), mask=row0 < n_slots)
-
-
 @triton.jit(do_not_specialize=["slot", "n_slots", "hist_rows"])
 def cast_kernel(
     x_ptr,
@@ -294,13 +263,8 @@ def cast_kernel(
             sums_ptr, partial_ptr, count_ptr, slot, M, N, span, grid_m, fp8_max, BLOCK_M,
             BLOCK_N, TRANSPOSE, SNAPSHOT, COLSUM, SPLIT_ROWS, OP, CLAMP,
         )  # fmt: skip
-        if SHIFT:
-            # Into scratch as int bits (same order as the floats, all >= 0); the last
-            # program to count itself done writes row 0 from it.
-            tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
-        else:
-            tl.atomic_max(hist_ptr + slot, amax)
+        record_amax(amax, scratch_ptr, hist_ptr, slot, SHIFT)
     elif SHIFT:
-        _shift_history(hist_ptr, n_slots, hist_rows, SLOTS, CHUNK)
+        shift_history(hist_ptr, n_slots, hist_rows, SLOTS, CHUNK)
     if SHIFT:
-        _count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS)
+        count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS)

@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import torch
 
+from fp8state._runtime import norm_cast
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.slot_cast import cast_slot
+from fp8state.functional.norm import InputNorm
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import Direction
 
-__all__ = ["cast_for"]
+__all__ = ["cast_for", "input_cast_for"]
+
+
+def _buffers(
+    module: FP8StateMixin, direction: Direction, replay: ForwardRecord | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``(history, scale, scale_inv, new_step)`` a cast records into and scales with."""
+    if replay is None:
+        hist, scale, scale_inv = module.fp8_meta(direction)
+        return hist, scale, scale_inv, module.fp8_open_record(direction)
+    scales = replay.scales
+    assert scales is not None  # records of FP8 calls carry their scales
+    return scales.scratch(), scales.scale, scales.scale_inv, False
 
 
 def cast_for(
@@ -35,13 +49,7 @@ def cast_for(
     ``replay``: a recomputation casts with its forward's scales and records into a scratch
     history, leaving the module's metadata alone.
     """
-    if replay is None:
-        hist, scale, scale_inv = module.fp8_meta(direction)
-        new_step = module.fp8_open_record(direction)
-    else:
-        scales = replay.scales
-        assert scales is not None  # records of FP8 calls carry their scales
-        hist, scale, scale_inv, new_step = scales.scratch(), scales.scale, scales.scale_inv, False
+    hist, scale, scale_inv, new_step = _buffers(module, direction, replay)
     # The inverse scale comes back as a copy: the live one changes when the step ends,
     # before backward runs.
     return cast_slot(
@@ -57,3 +65,40 @@ def cast_for(
         op=op,
         aux=aux,
     )
+
+
+def input_cast_for(
+    module: FP8StateMixin,
+    slot: int,
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    replay: ForwardRecord | None,
+    norm: InputNorm | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """A GEMM input's cast (a forward slot); with ``norm``, of ``norm(x)``, computed by it.
+
+    Returns the FP8 copy, its transpose (if asked), the inverse scale and, with a norm, the
+    rows' mean and reciprocal standard deviation, which the norm's backward takes
+    (:func:`fp8state._runtime.norm_cast.norm_backward`); without, an empty tuple.
+    """
+    if norm is None:
+        x_fp8, x_fp8_t, inv, _ = cast_for(
+            module, "fwd", slot, x, fp8_dtype, transpose, replay=replay
+        )
+        return x_fp8, x_fp8_t, inv, ()
+    hist, scale, scale_inv, new_step = _buffers(module, "fwd", replay)
+    x_fp8, x_fp8_t, inv, mean, rstd = norm_cast.norm_cast_slot(
+        x.contiguous(),
+        norm.weight,
+        norm.bias,
+        norm.eps,
+        scale,
+        scale_inv,
+        hist,
+        slot,
+        fp8_dtype,
+        transpose=transpose,
+        new_step=new_step,
+    )
+    return x_fp8, x_fp8_t, inv, (mean, rstd)

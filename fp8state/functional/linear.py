@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
-from fp8state._runtime import gemm_sizes, microbatch, recompute
+from fp8state._runtime import gemm_sizes, microbatch, norm_cast, recompute
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
@@ -32,6 +32,8 @@ from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
 from fp8state.functional import _compiled, _take_part
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.functional._slot import cast_for as _cast_slot
+from fp8state.functional._slot import input_cast_for
+from fp8state.functional.norm import InputNorm, applied, from_args, fused_or_applied, norm_args
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
@@ -46,6 +48,7 @@ def linear(
     bias: torch.Tensor | None,
     gemm: int,
     is_first_microbatch: bool | None = None,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """``F.linear(inp, weight, bias)``, in FP8 inside ``fp8_autocast(enabled=True)``.
 
@@ -58,15 +61,21 @@ def linear(
         is_first_microbatch: None casts the weight every call. True casts it, records its
             amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
             optimizer step, where the weight has not changed).
+        norm: A LayerNorm to apply to ``inp`` first (``F.linear(norm(inp), ...)``). In FP8
+            its output is never written in high precision: the input's cast computes it
+            (:func:`fp8state._runtime.norm_cast.norm_cast_slot`), and backward runs the
+            norm's backward after the input-gradient GEMM.
     """
     if torch.compiler.is_compiling():  # no graph break, no guard on Python state
+        inp = applied(inp, norm)  # Inductor fuses the norm itself
         return _compiled.linear(module, inp, weight, bias, gemm, is_first_microbatch)
     if recompute.replaying():
-        return _replay(module, inp, weight, bias, gemm)
+        return _replay(module, inp, weight, bias, gemm, norm)
     ctx = autocast.active_context()
     if ctx is None:
-        return _high_precision(module, gemm, None, inp, weight, bias)
+        return _high_precision(module, gemm, None, applied(inp, norm), weight, bias)
     if not ctx.enabled:  # calibrating: record, compute in high precision
+        inp = applied(inp, norm)
         autocast.register_forward(module, ctx)
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.INPUT), finite_amax(inp))
         module.fp8_record_amax("fwd", fwd_slot(gemm, FwdSlot.WEIGHT), finite_amax(weight))
@@ -74,15 +83,17 @@ def linear(
     backend = fp8_backend(module, ctx, inp, inp.numel() * weight.shape[0])  # tokens*in*out
     if backend is None:
         set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
-        out = _high_precision(module, gemm, ctx, inp, weight, bias)
+        out = _high_precision(module, gemm, ctx, applied(inp, norm), weight, bias)
         if _take_part.takes_part(module, ctx):  # other ranks may run it in FP8
             out = _take_part.forward(module, ctx, out)
         return out
     autocast.register_forward(module, ctx)
     record = recompute.start(module, gemm, ctx, backend)
+    x, norm = fused_or_applied(inp, norm)
     out = _FP8Linear.apply(
-        as_2d(inp), weight, bias, module, gemm, ctx, backend, is_first_microbatch, record, None
-    )
+        as_2d(x), weight, bias, *norm_args(norm), module, gemm, ctx, backend,
+        is_first_microbatch, record, None,
+    )  # fmt: skip
     if record is not None:
         recompute.finish(module, gemm, record, out)
     return like_input(out, inp)
@@ -110,22 +121,25 @@ def _replay(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     gemm: int,
+    norm: InputNorm | None,
 ) -> torch.Tensor:
     """A recomputation of this call: what its forward computed, recording nothing."""
     record = recompute.take(module, gemm)
     autocast.hold_backward_update()
     ctx = record.ctx
     if record.backend is None:
-        out = F.linear(inp, weight, bias)
+        out = F.linear(applied(inp, norm), weight, bias)
         fp8_ctx = cast(autocast.FP8Context | None, ctx)
         if fp8_ctx is not None and fp8_ctx.enabled:
             set_plain_attr(module, "fp8_last_gemm_backend", "high_precision")
             if _take_part.takes_part(module, fp8_ctx):
                 out = _take_part.replayed(module, fp8_ctx, out)
         return out
+    x, norm = fused_or_applied(inp, norm)
     out = _FP8Linear.apply(
-        as_2d(inp), weight, bias, module, gemm, ctx, record.backend, None, None, record
-    )
+        as_2d(x), weight, bias, *norm_args(norm), module, gemm, ctx, record.backend, None, None,
+        record,
+    )  # fmt: skip
     return like_input(out, inp)
 
 
@@ -192,6 +206,9 @@ class _FP8Linear(torch.autograd.Function):
         inp_2d: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        norm_bias: torch.Tensor | None,
+        norm_eps: float | None,
         module: FP8StateMixin,
         gemm: int,
         fp8_ctx: autocast.FP8Context,
@@ -201,16 +218,20 @@ class _FP8Linear(torch.autograd.Function):
         replay: ForwardRecord | None,
     ) -> torch.Tensor:
         fp8_dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        inp_fp8, inp_fp8_t, inp_scale_inv, _ = _cast_slot(
+        needs = ctx.needs_input_grad
+        # The GEMM's input gradient feeds the norm's gradients too.
+        need_dgrad, need_wgrad = needs[0] or needs[3] or needs[4], needs[1]
+        inp_fp8, inp_fp8_t, inp_scale_inv, stats = input_cast_for(
             module,
-            "fwd",
             fwd_slot(gemm, FwdSlot.INPUT),
             inp_2d,
             fp8_dtype,
             need_wgrad,
-            replay=replay,
+            replay,
+            from_args(norm_weight, norm_bias, norm_eps),
         )
+        # With a norm, what its backward takes: its input, parameters and the rows' stats.
+        norm_saved = (inp_2d, norm_weight, norm_bias, *stats) if stats else ()
         weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
             module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch, record, replay
         )
@@ -226,7 +247,7 @@ class _FP8Linear(torch.autograd.Function):
         )
         set_plain_attr(module, "fp8_last_gemm_backend", used)
         # Only what backward multiplies with, in the layout it needs: FP8, not the input.
-        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv)
+        ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv, *norm_saved)
         ctx.module, ctx.gemm, ctx.fp8_ctx, ctx.backend = module, gemm, fp8_ctx, backend
         ctx.inp_dtype, ctx.weight_dtype = inp_2d.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -235,10 +256,11 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # FP8 casts have no useful derivative: a clear error for 2nd order
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv = ctx.saved_tensors
+        inp_fp8_t, weight_fp8_t, inp_scale_inv, weight_scale_inv, *norm_saved = ctx.saved_tensors
         module: FP8StateMixin = ctx.module
         fp8_ctx: autocast.FP8Context = ctx.fp8_ctx
-        need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
+        needs = ctx.needs_input_grad
+        need_dgrad, need_wgrad, need_bgrad = needs[0] or needs[3] or needs[4], needs[1], needs[2]
         autocast.register_backward(module, fp8_ctx)
         need_bias = ctx.bias_dtype is not None and need_bgrad
         grad_fp8, grad_fp8_t, grad_scale_inv, grad_sums = _cast_slot(
@@ -273,4 +295,11 @@ class _FP8Linear(torch.autograd.Function):
         if need_bias:
             assert grad_sums is not None  # cast with column_sums=need_bias
             grad_bias = grad_sums.to(ctx.bias_dtype)
-        return grad_inp, grad_weight, grad_bias, None, None, None, None, None, None, None
+        grad_norm_weight = grad_norm_bias = None
+        if norm_saved and grad_inp is not None:  # the GEMM's input gradient is the norm's
+            x, norm_weight, norm_bias, mean, rstd = norm_saved
+            grad_inp, grad_norm_weight, grad_norm_bias = norm_cast.norm_backward(
+                grad_inp, x, norm_weight, norm_bias, mean, rstd, (needs[0], needs[3], needs[4])
+            )
+        grads = (grad_inp, grad_weight, grad_bias, grad_norm_weight, grad_norm_bias)
+        return (*grads, None, None, None, None, None, None, None, None)

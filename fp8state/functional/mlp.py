@@ -29,12 +29,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fp8state import autocast
-from fp8state._runtime import recompute
+from fp8state._runtime import norm_cast, recompute
 from fp8state._runtime.forward_record import MLP_SITE, ForwardRecord
 from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.slot_cast import transpose_fp8
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError
+from fp8state.functional._slot import input_cast_for
 from fp8state.functional.linear import (
     _cast_slot,
     _cast_weight,
@@ -42,6 +43,7 @@ from fp8state.functional.linear import (
     fp8_backend,
     like_input,
 )
+from fp8state.functional.norm import InputNorm, from_args, fused_or_applied, norm_args
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
@@ -56,8 +58,13 @@ def gelu_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     is_first_microbatch: bool | None,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor | None:
     """``fc2(gelu_tanh(fc1(inp)))`` fused in FP8, or None where the fused path does not apply.
+
+    ``norm``: a LayerNorm applied to ``inp`` first, computed by fc1's input cast (as
+    :func:`fp8state.functional.linear.linear` does); where None is returned, the caller
+    applies it.
 
     None (the caller then runs the GEMMs one by one) outside ``fp8_autocast(enabled=True)``,
     while calibrating, and where either GEMM is below the module's FP8 threshold
@@ -71,9 +78,11 @@ def gelu_mlp(
         autocast.hold_backward_update()
         if replay.backend is None:
             return None
+        x, norm = fused_or_applied(inp, norm)
         out = _FP8GeluMLP.apply(
-            as_2d(inp), *weights, module, replay.ctx, replay.backend, None, None, replay
-        )
+            as_2d(x), *weights, *norm_args(norm), module, replay.ctx, replay.backend, None, None,
+            replay,
+        )  # fmt: skip
         return like_input(out, inp)
     ctx = autocast.active_context()
     backend = None
@@ -91,9 +100,11 @@ def gelu_mlp(
         return None
     assert ctx is not None
     autocast.register_forward(module, ctx)
+    x, norm = fused_or_applied(inp, norm)
     out = _FP8GeluMLP.apply(
-        as_2d(inp), *weights, module, ctx, backend, is_first_microbatch, record, None
-    )
+        as_2d(x), *weights, *norm_args(norm), module, ctx, backend, is_first_microbatch, record,
+        None,
+    )  # fmt: skip
     if record is not None:
         recompute.finish(module, MLP_SITE, record, out)
     return like_input(out, inp)
@@ -108,6 +119,9 @@ class _FP8GeluMLP(torch.autograd.Function):
         fc1_bias: torch.Tensor | None,
         fc2_weight: torch.Tensor,
         fc2_bias: torch.Tensor | None,
+        norm_weight: torch.Tensor | None,
+        norm_bias: torch.Tensor | None,
+        norm_eps: float | None,
         module: FP8StateMixin,
         fp8_ctx: autocast.FP8Context,
         backend: str,
@@ -118,13 +132,24 @@ class _FP8GeluMLP(torch.autograd.Function):
         dtype = fp8_ctx.recipe.fp8_format.dtype("fwd")
         needs = ctx.needs_input_grad
         need_w1, need_w2 = needs[1], needs[3]
+        need_x = needs[0] or needs[5] or needs[6]  # the input's gradient, or the norm's
         # GELU's input gradient is needed for everything upstream of fc2's output.
-        need_chain = needs[0] or needs[1] or needs[2]
-        x_fp8, x_fp8_t, x_inv, _ = _cast_slot(
-            module, "fwd", fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1, replay=replay
+        need_chain = need_x or needs[1] or needs[2]
+        x_fp8, x_fp8_t, x_inv, stats = input_cast_for(
+            module,
+            fwd_slot(0, FwdSlot.INPUT),
+            inp,
+            dtype,
+            need_w1,
+            replay,
+            from_args(norm_weight, norm_bias, norm_eps),
         )
+        # With a norm, what its backward takes: its input and the rows' statistics (its
+        # parameters are the module's: nothing to release).
+        norm_saved: list[torch.Tensor | None] = [inp, *stats] if stats else [None] * 3
+        ctx.norm_params = (norm_weight, norm_bias)
         w1_fp8, w1_fp8_t, w1_inv = _cast_weight(
-            module, fc1_weight, 0, dtype, needs[0], is_first_microbatch, record, replay
+            module, fc1_weight, 0, dtype, need_x, is_first_microbatch, record, replay
         )
         h, _ = fp8_gemm(
             x_fp8, x_inv, w1_fp8.t(), w1_inv, inp.dtype, backend, bias=fc1_bias, fast_accum=True
@@ -154,6 +179,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             w1_inv,
             a_inv,
             w2_inv,
+            *norm_saved,  # with a norm, what its backward takes
         ]
         ctx.from_hooks = recompute.hooks_active()
         if ctx.from_hooks:
@@ -189,7 +215,9 @@ class _FP8GeluMLP(torch.autograd.Function):
                 "Set module.fp8_fuse_activation = False for graphs you backpropagate through "
                 "more than once.",
             )
-        x_fp8_t, w1_fp8_t, h, a_fp8_t, w2_fp8_t, x_inv, w1_inv, a_inv, w2_inv = ctx.tensors
+        x_fp8_t, w1_fp8_t, h, a_fp8_t, w2_fp8_t, x_inv, w1_inv, a_inv, w2_inv, *norm_saved = (
+            ctx.tensors
+        )
         ctx.tensors = None  # from here on, the locals below are the only references
         module, fp8_ctx, backend = ctx.module, ctx.fp8_ctx, ctx.backend
         inp_dtype, w1_dtype, w2_dtype, b1_dtype, b2_dtype = ctx.dtypes
@@ -206,7 +234,8 @@ class _FP8GeluMLP(torch.autograd.Function):
             needs[3],
             column_sums=need_b2,
         )
-        grads: list[torch.Tensor | None] = [None] * 11
+        grads: list[torch.Tensor | None] = [None] * 14
+        need_x = needs[0] or needs[5] or needs[6]  # the input's gradient, or the norm's
         if needs[3]:  # fc2 weight: (hidden, M) @ (M, ffn)
             assert g_fp8_t is not None  # cast with transpose=needs[3]
             grads[3], _ = fp8_gemm(g_fp8_t, g_inv, a_fp8_t.t(), a_inv, w2_dtype, backend)
@@ -234,8 +263,16 @@ class _FP8GeluMLP(torch.autograd.Function):
             aux=h,
         )
         del d_act, h
-        if needs[0]:  # input: (M, ffn) @ (ffn, hidden)
-            grads[0], _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)
+        if need_x:  # input: (M, ffn) @ (ffn, hidden)
+            d_inp, _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)
+            grads[0] = d_inp
+            x, mean, rstd = norm_saved
+            norm_weight, norm_bias = ctx.norm_params
+            if x is not None and norm_weight is not None:  # that was the norm's output gradient
+                grads[0], grads[5], grads[6] = norm_cast.norm_backward(
+                    d_inp, x, norm_weight, norm_bias, mean, rstd, (needs[0], needs[5], needs[6])
+                )
+            del norm_saved, x, d_inp
         if needs[1]:  # fc1 weight: (ffn, M) @ (M, hidden)
             dh_fp8_t = transpose_fp8(dh_fp8)
             del dh_fp8

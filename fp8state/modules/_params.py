@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fp8state.errors import ConfigError
+from fp8state.functional.norm import InputNorm
 
 __all__ = [
     "NORMALIZATIONS",
@@ -18,6 +20,7 @@ __all__ = [
     "reset_linear_",
     "reset_norm_",
     "normalize",
+    "input_norm",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -88,3 +91,16 @@ def normalize(
     if normalization == "LayerNorm":
         return F.layer_norm(x, weight.shape, weight, bias, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def input_norm(module: nn.Module) -> InputNorm | None:
+    """The norm a ``LayerNorm*`` module's first GEMM may compute in its input cast, or None.
+
+    LayerNorm only (the kernel's), and not where the module also returns the norm's output
+    (``return_layernorm_output``): that output must then be written anyway.
+    """
+    if module.normalization != "LayerNorm" or module.return_layernorm_output:
+        return None
+    weight, bias = module.layer_norm_weight, module.layer_norm_bias
+    assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)  # a LayerNorm's
+    return InputNorm(weight, bias, cast(float, module.eps))

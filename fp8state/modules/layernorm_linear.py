@@ -8,6 +8,7 @@ from fp8state.functional import linear as _fp8_linear
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules._params import (
     check_normalization,
+    input_norm,
     new_norm_params,
     new_param,
     normalize,
@@ -83,6 +84,11 @@ class LayerNormLinear(FP8StateMixin):
 
         ``is_first_microbatch`` as in :meth:`fp8state.Linear.forward`.
         """
+        norm = input_norm(self)
+        if norm is not None:  # the FP8 input cast computes the norm
+            return _fp8_linear.linear(
+                self, inp, self.weight, self.bias, 0, is_first_microbatch, norm=norm
+            )
         normed = normalize(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
         )

@@ -13,6 +13,7 @@ from fp8state.functional import mlp as _fp8_mlp
 from fp8state.mixin import FP8StateMixin
 from fp8state.modules._params import (
     check_normalization,
+    input_norm,
     new_norm_params,
     new_param,
     normalize,
@@ -125,9 +126,12 @@ class LayerNormMLP(FP8StateMixin):
 
         ``is_first_microbatch`` as in :meth:`fp8state.Linear.forward`.
         """
-        normed = normalize(
-            inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
-        )
+        norm = input_norm(self)  # where not None, fc1's input cast computes the norm
+        normed = inp
+        if norm is None:
+            normed = normalize(
+                inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+            )
         if self.activation == "gelu" and self.fp8_fuse_activation:
             out = _fp8_mlp.gelu_mlp(
                 self,
@@ -137,11 +141,12 @@ class LayerNormMLP(FP8StateMixin):
                 self.fc2_weight,
                 self.fc2_bias,
                 is_first_microbatch,
+                norm,
             )
             if out is not None:
                 return (out, normed) if self.return_layernorm_output else out
         hidden = _fp8_linear.linear(
-            self, normed, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch
+            self, normed, self.fc1_weight, self.fc1_bias, 0, is_first_microbatch, norm=norm
         )
         out = _fp8_linear.linear(
             self,

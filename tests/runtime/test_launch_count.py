@@ -38,6 +38,10 @@ def count(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
         return wrapper
 
     monkeypatch.setattr(slot_mod, "cast_slot", counted("cast", slot_mod.cast_slot))
+    # A LayerNorm computed by its output's cast: still one cast of one operand.
+    monkeypatch.setattr(
+        slot_mod.norm_cast, "norm_cast_slot", counted("cast", slot_mod.norm_cast.norm_cast_slot)
+    )
     monkeypatch.setattr(linear_mod, "fp8_gemm", counted("gemm", linear_mod.fp8_gemm))
     monkeypatch.setattr(mlp_mod, "fp8_gemm", counted("gemm", mlp_mod.fp8_gemm))
     # Forward updates at the context's exit, backward updates at the end of backward.
@@ -61,6 +65,13 @@ def _fp8(module: nn.Module) -> nn.Module:
 
 def test_a_linear_step_is_three_casts_three_gemms_two_updates(count: Counter[str]) -> None:
     layer = _fp8(fp8state.Linear(32, 32))
+    x = torch.randn(8, 32, requires_grad=True)
+    _step(layer, x)
+    assert count == {"cast": 3, "gemm": 3, "update": 2}
+
+
+def test_a_layernorm_linear_step_is_a_linears_worth(count: Counter[str]) -> None:
+    layer = _fp8(fp8state.LayerNormLinear(32, 32))
     x = torch.randn(8, 32, requires_grad=True)
     _step(layer, x)
     assert count == {"cast": 3, "gemm": 3, "update": 2}
