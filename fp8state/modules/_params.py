@@ -89,7 +89,7 @@ def normalize(
 ) -> torch.Tensor:
     """LayerNorm or RMSNorm over the last dimension, exactly as ``torch.nn`` computes them."""
     if normalization == "LayerNorm":
-        return F.layer_norm(x, weight.shape, weight, bias, eps)
+        return InputNorm(weight, bias, eps)(x)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
@@ -102,5 +102,7 @@ def input_norm(module: nn.Module) -> InputNorm | None:
     if module.normalization != "LayerNorm" or module.return_layernorm_output:
         return None
     weight, bias = module.layer_norm_weight, module.layer_norm_bias
-    assert isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)  # a LayerNorm's
-    return InputNorm(weight, bias, cast(float, module.eps))
+    assert isinstance(weight, torch.Tensor)  # a LayerNorm's weight
+    return InputNorm(
+        weight, bias if isinstance(bias, torch.Tensor) else None, cast(float, module.eps)
+    )
