@@ -16,7 +16,7 @@ import triton
 from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned, raw_stream
 from fp8state._kernels.triton_cast import OPS, cast_kernel
 
-__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "scratch_pair"]
+__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "history_blocks", "scratch_pair"]
 
 
 def default_config(
@@ -248,6 +248,16 @@ def _sum_scratch(
     return partial, counts
 
 
+def history_blocks(n_slots: int) -> tuple[int, int]:
+    """``(SLOTS, CHUNK)`` of a launch's history shift (:mod:`.triton_record`).
+
+    The slots padded to a power of two, and how many rows one chunk of the shift moves (some
+    2048 cells at a time).
+    """
+    slots_block = triton.next_power_of_2(max(n_slots, 2))
+    return slots_block, max(1, 2048 // slots_block)
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(
     m: int,
@@ -266,10 +276,10 @@ def _plan(
     else:  # each program walks ``span`` columns of one row block
         span = triton.cdiv(triton.cdiv(n, split), block_n) * block_n
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, span))
-    slots_block = triton.next_power_of_2(max(n_slots, 2))
+    slots_block, chunk = history_blocks(n_slots)
     ints = (m, n, span, grid[0])  # grid[0]: the casting programs per column range or tile
     specs = (block_m, block_n, warps, slots_block, *map(int_spec, ints))
-    return grid, block_m, block_n, warps, span, slots_block, specs
+    return grid, block_m, block_n, warps, span, slots_block, chunk, specs
 
 
 def _launch(
@@ -291,7 +301,7 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     m, n = x_2d.shape
     device = x_2d.device
-    grid, block_m, block_n, warps, span, slots_block, specs = _plan(
+    grid, block_m, block_n, warps, span, slots_block, chunk, specs = _plan(
         m, n, transpose, n_slots, op, column_sums, config
     )
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
@@ -361,7 +371,7 @@ def _launch(
             column_sums,
             split_rows,
             slots_block,
-            max(1, 2048 // slots_block),
+            chunk,
             code,
             # The explicit clamp only where the conversion alone was found wrong in the
             # transposed copy (see triton_cast): a bf16/fp16 tensor cast as it is, and any

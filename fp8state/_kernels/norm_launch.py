@@ -19,7 +19,7 @@ import functools
 import torch
 import triton
 
-from fp8state._kernels.cast_launch import scratch_pair
+from fp8state._kernels.cast_launch import history_blocks, scratch_pair
 from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned
 from fp8state._kernels.triton_norm_backward import norm_backward_kernel, param_grads_kernel
 from fp8state._kernels.triton_norm_cast import norm_cast_kernel
@@ -86,7 +86,7 @@ def norm_cast_slot(
     scratch = scratch_pair(device) if new_step else scale
     has_bias = bias is not None
     bias_t = bias if bias is not None else weight
-    slots_block = triton.next_power_of_2(max(history.shape[-1], 2))
+    slots_block, chunk = history_blocks(history.shape[-1])
     key = (
         block_m,
         block_n,
@@ -133,7 +133,7 @@ def norm_cast_slot(
             has_bias,
             new_step,
             slots_block,
-            max(1, 2048 // slots_block),
+            chunk,
         ),  # fmt: skip
         device,
         num_warps=warps,

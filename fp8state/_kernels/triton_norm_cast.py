@@ -1,13 +1,14 @@
-"""LayerNorm or RMSNorm and the FP8 cast of its output, in one pass on CUDA.
+"""LayerNorm and the FP8 cast of its output, in one pass on CUDA.
 
 A norm followed by an FP8 GEMM (``LayerNormLinear``, ``LayerNormMLP``) would write the norm's
-output in high precision only for the cast to read it back. Here each program normalizes whole
-rows held in registers (``BLOCK_M`` rows of ``BLOCK_N >= N`` columns), rounds the result to the
-input's dtype (what the norm returns, so the FP8 bits are those of the cast of that output),
-and casts it with the slot's scale: FP8 rows, optionally their transpose, the rows' mean and
-reciprocal standard deviation (what the norm's backward takes), the inverse scale's snapshot,
-and the amax recorded as every cast records it (:mod:`fp8state._kernels.triton_record`).
-:mod:`fp8state._kernels.norm_cast_launch` launches it.
+output in high precision only for the cast to read it back. Here each program walks ``span``
+rows, ``BLOCK_M`` at a time, whole rows held in registers (``BLOCK_N >= N`` columns): it
+normalizes them, rounds the result to the input's dtype (what the norm returns, so the FP8
+bits are those of the cast of that output) and casts it with the slot's scale. It writes the
+FP8 rows (no transposed copy: the one-byte transpose makes it), the rows' mean and
+reciprocal standard deviation (what the norm's backward takes) and the inverse scale's
+snapshot, and records the amax as every cast does (:mod:`fp8state._kernels.triton_record`).
+:mod:`fp8state._kernels.norm_launch` launches it.
 """
 
 from __future__ import annotations

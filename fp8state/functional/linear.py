@@ -5,7 +5,7 @@ current scales, recording their amaxes; backward casts the incoming gradient to 
 dtype (E5M2 under HYBRID). FP8 GEMMs take the second operand column-major, so each cast also
 writes the transposed copy its operand needs in backward, in the same pass
 (:func:`fp8state._runtime.slot_cast.cast_and_record`); only those FP8 transposes are saved for
-backward.
+backward (and, where the input's cast computes a LayerNorm, what the norm's backward takes).
 
 Weights can be cast once per optimizer step and reused across micro-batches
 (``is_first_microbatch``, as in TE), and GEMMs too small for FP8 to pay run in high precision

@@ -6,7 +6,8 @@ after. Here the cast kernel computes GELU (forward) and ``grad * gelu'(h)`` (bac
 same pass that quantizes, records the amax and sums the bias gradient: two passes
 over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
 allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
-output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used.
+output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used; with
+a LayerNorm computed by fc1's input cast, also the norm's input and the rows' statistics.
 Neither GELU cast writes a transposed copy: the FP8 transposes come from a one-byte transpose
 afterwards, faster for GELU's output, and for its gradient made only after ``h`` is dropped,
 which keeps the peak below bf16's (docs/benchmarks.md).
