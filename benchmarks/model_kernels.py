@@ -1,6 +1,7 @@
 """Where the GPU time of one step of the 16-layer model goes: fp8state, the floor and bf16.
 
-Usage (CUDA): ``python benchmarks/model_kernels.py [--batch 1] [--tokens 2048] [--top 25]``.
+Usage (CUDA): ``python benchmarks/model_kernels.py [--batch 1] [--tokens 2048] [--top 25]
+[--norm RMSNorm]``.
 
 With the host out of the step (CUDA graphs), a step costs the sum of its kernels. This lists
 them for one fwd+bwd of ``training_loop.py``'s model: fp8state's layers marked
@@ -8,6 +9,7 @@ them for one fwd+bwd of ``training_loop.py``'s model: fp8state's layers marked
 (``host_floor.FloorLinear``: one cast per operand, no amax, transposed operands laid out
 beforehand) and ``torch.nn``'s in bf16. Per model: kernels launched, their summed GPU time,
 and the kernels by summed time (torch.profiler, CUDA activity), with their counts.
+``--norm RMSNorm`` builds all three with RMSNorm in place of LayerNorm (as Llama's layers).
 """
 
 from __future__ import annotations
@@ -53,17 +55,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences of --tokens per step")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--norm", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     args = parser.parse_args()
     device = torch.device("cuda")
     x = torch.randn(args.batch, args.tokens, MODEL["hidden"], device=device, dtype=torch.bfloat16)
     x.requires_grad_()
     grad = torch.randn_like(x)
-    fp8_model = build_model(True, device)
+    fp8_model = build_model(True, device, norm=args.norm)
     mark_graphed(fp8_model, True)  # the graphed threshold: every GEMM in FP8
     steps = {
         "fp8state (graphed threshold)": make_step(fp8_model, x, grad, True),
-        "floor": floor_model_step(build_model(False, device, args.batch * args.tokens), x, grad),
-        "bf16": make_step(build_model(False, device), x, grad, False),
+        "floor": floor_model_step(
+            build_model(False, device, args.batch * args.tokens, args.norm), x, grad
+        ),
+        "bf16": make_step(build_model(False, device, norm=args.norm), x, grad, False),
     }
     for name, step in steps.items():
         report(name, kernel_times(step), args.top)

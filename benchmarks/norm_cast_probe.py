@@ -1,6 +1,6 @@
 """A norm and the FP8 cast of its output: separate kernels against one fused pass.
 
-Usage (CUDA): ``python benchmarks/norm_cast_probe.py [--shapes 2048x2048 8192x2048]``.
+Usage (CUDA): ``python benchmarks/norm_cast_probe.py [--shapes 2048x2048 8192x2048] [--rms]``.
 
 For each ``MxN`` bf16 input, device microseconds (CUDA graph of ``--reps`` launches, median of
 replays) of: ``torch.nn.functional.layer_norm`` alone; it followed by fp8state's cast with
@@ -11,6 +11,12 @@ the one-byte transpose, with the bytes of its FP8 output that differ from the un
 and the largest differences of the rows' statistics; and the fused backward with the
 partial rows summed by ``Tensor.sum`` (:mod:`fp8state._kernels.triton_norm_backward`),
 with its largest relative differences from torch's.
+
+``--rms``: RMSNorm instead, with the launch plans LayerNorm's timings chose
+(:mod:`fp8state._kernels.norm_launch`): ``F.rms_norm`` alone, followed by the cast with the
+transposed copy, and torch's backward of it (autograd's; the summed GPU time of its kernels,
+from the profiler), against the fused forward followed by the byte transpose and the fused
+backward with its parameter-gradient sums.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-from overlap_probe import graph_us  # benchmarks/ is on sys.path as a script
+from model_kernels import kernel_times  # benchmarks/ is on sys.path as a script
+from overlap_probe import graph_us
 
+from fp8state._kernels import norm_launch
 from fp8state._kernels.cast_launch import cast_transpose_amax
 from fp8state._kernels.triton_norm_backward import norm_backward_kernel
 from fp8state._kernels.triton_norm_cast import norm_cast_kernel
@@ -54,7 +62,7 @@ def fused(
     def launch() -> torch.Tensor:
         norm_cast_kernel[(triton.cdiv(m, span),)](
             x, w, b, out, mean, rstd, scale, inv, inv_out, hist, scale, 0, 3, 4, m, n, span,
-            1e-5, block_m, triton.next_power_of_2(n), True, False, 4, 512, num_warps=warps,
+            1e-5, block_m, triton.next_power_of_2(n), True, False, False, 4, 512, num_warps=warps,
         )  # fmt: skip
         return out
 
@@ -81,7 +89,7 @@ def backward(
     def launch() -> tuple[torch.Tensor, torch.Tensor]:
         norm_backward_kernel[(grid,)](
             g, x, w, mean, rstd, dx, partial, m, n, span, block_m, triton.next_power_of_2(n),
-            True, num_warps=warps,
+            True, False, num_warps=warps,
         )  # fmt: skip
         return dx, partial.sum(0)
 
@@ -141,14 +149,64 @@ def probe_shape(m: int, n: int, reps: int) -> None:
                 )
 
 
+def probe_rms(m: int, n: int, reps: int) -> None:
+    """Print RMSNorm's separate kernels' times against the fused ones' for ``m x n``."""
+    x = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3 + 1).requires_grad_()
+    w = (torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_()
+    g = torch.randn_like(x)
+    one, cell = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    hist = torch.zeros(4, 1, device="cuda")
+    with torch.no_grad():
+        ref = cast_transpose_amax(F.rms_norm(x, (n,), w), one, E4M3, cell, transpose=False)[0]
+    out = F.rms_norm(x, (n,), w)
+
+    def torch_backward() -> None:
+        torch.autograd.grad(out, (x, w), g, retain_graph=True)
+
+    def fused_forward() -> torch.Tensor:
+        got = norm_launch.norm_cast_slot(
+            x.detach(), w.detach(), None, 1e-6, one, one, hist, 0, E4M3, False, rms=True
+        )
+        return got[0]
+
+    with torch.no_grad():
+        rstd = norm_launch.norm_cast_slot(
+            x.detach(), w.detach(), None, 1e-6, one, one, hist, 0, E4M3, False, rms=True
+        )[3]
+        rows = {
+            "rms_norm": graph_us(lambda: F.rms_norm(x, (n,), w), reps),
+            "rms_norm + cast with transpose": graph_us(
+                lambda: cast_transpose_amax(F.rms_norm(x, (n,), w), one, E4M3, cell, True), reps
+            ),
+            "fused + byte transpose": graph_us(lambda: transpose_bytes(fused_forward()), reps),
+            "fused backward": graph_us(
+                lambda: norm_launch.norm_backward(
+                    g, x.detach(), w.detach(), None, None, rstd, True
+                ),
+                reps,
+            ),
+        }
+        bad = (fused_forward().view(torch.uint8) != ref.view(torch.uint8)).sum().item()
+    # Autograd's backward cannot be captured from here: its kernels' summed GPU time instead.
+    rows["rms_norm backward (autograd, kernels)"] = sum(
+        us for _, us in kernel_times(torch_backward).values()
+    )
+    print(
+        f"{m}x{n} RMSNorm: { ({k: round(v, 1) for k, v in rows.items()}) }, "
+        f"{bad} of {m * n} FP8 bytes differ from the unfused cast",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["2048x2048", "8192x2048", "8192x4096"])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rms", action="store_true", help="RMSNorm, with the default plans")
     args = parser.parse_args()
     for shape in args.shapes:
         m, n = map(int, shape.split("x"))
-        probe_shape(m, n, args.reps)
+        (probe_rms if args.rms else probe_shape)(m, n, args.reps)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,10 @@ MICROBATCHES = 4  # per optimizer step, where FP8 weights are cached across micr
 
 
 class Block(nn.Module):
-    """One pre-LN transformer layer, from fp8state's modules or from torch.nn's."""
+    """One pre-norm transformer layer, from fp8state's modules or from torch.nn's.
+
+    ``norm``: ``"LayerNorm"`` (the benchmarks' model) or ``"RMSNorm"`` (as Llama's layers).
+    """
 
     def __init__(
         self,
@@ -86,34 +89,35 @@ class Block(nn.Module):
         fp8: bool,
         device: torch.device,
         floor_tokens: int | None = None,
+        norm: str = "LayerNorm",
     ):
         super().__init__()
         self.heads = heads
         kw = {"device": device, "dtype": torch.bfloat16}
+        norm_cls = nn.RMSNorm if norm == "RMSNorm" else nn.LayerNorm
         if floor_tokens is not None:  # the least an FP8 layer can launch (host_floor)
             t = floor_tokens
             self.qkv = nn.Sequential(
-                nn.LayerNorm(hidden, **kw),
+                norm_cls(hidden, **kw),
                 FloorLinear(t, hidden, 3 * hidden, fused_input=True, device=device),
             )
             self.proj = FloorLinear(t, hidden, hidden, device=device)
             self.mlp = nn.Sequential(  # GELU fused into the second GEMM's input cast
-                nn.LayerNorm(hidden, **kw),
+                norm_cls(hidden, **kw),
                 FloorLinear(t, hidden, ffn, fused_input=True, device=device),
                 FloorLinear(t, ffn, hidden, device=device),
             )
         elif fp8:
             pkw = {"device": device, "params_dtype": torch.bfloat16}
-            self.qkv: nn.Module = fp8state.LayerNormLinear(hidden, 3 * hidden, **pkw)
+            nkw = {**pkw, "normalization": norm}
+            self.qkv: nn.Module = fp8state.LayerNormLinear(hidden, 3 * hidden, **nkw)
             self.proj: nn.Module = fp8state.Linear(hidden, hidden, **pkw)
-            self.mlp: nn.Module = fp8state.LayerNormMLP(hidden, ffn, **pkw)
+            self.mlp: nn.Module = fp8state.LayerNormMLP(hidden, ffn, **nkw)
         else:
-            self.qkv = nn.Sequential(
-                nn.LayerNorm(hidden, **kw), nn.Linear(hidden, 3 * hidden, **kw)
-            )
+            self.qkv = nn.Sequential(norm_cls(hidden, **kw), nn.Linear(hidden, 3 * hidden, **kw))
             self.proj = nn.Linear(hidden, hidden, **kw)
             self.mlp = nn.Sequential(
-                nn.LayerNorm(hidden, **kw),
+                norm_cls(hidden, **kw),
                 nn.Linear(hidden, ffn, **kw),
                 nn.GELU(approximate="tanh"),
                 nn.Linear(ffn, hidden, **kw),
@@ -128,13 +132,17 @@ class Block(nn.Module):
 
 
 def build_model(
-    fp8: bool, device: torch.device, floor_tokens: int | None = None, **shape: int
+    fp8: bool,
+    device: torch.device,
+    floor_tokens: int | None = None,
+    norm: str = "LayerNorm",
+    **shape: int,
 ) -> nn.Module:
     """The model of fp8state's or torch.nn's layers, or of floor layers for ``floor_tokens``."""
     torch.manual_seed(0)
     dims = {**MODEL, **shape}
     blocks = [
-        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device, floor_tokens)
+        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device, floor_tokens, norm)
         for _ in range(dims["layers"])
     ]
     return nn.Sequential(*blocks)

@@ -1,4 +1,4 @@
-"""The host side of LayerNorm fused with the FP8 cast, and of LayerNorm's backward.
+"""The host side of a norm fused with the FP8 cast, and of the norm's backward.
 
 Kernels: :mod:`fp8state._kernels.triton_norm_cast` (forward) and
 :mod:`fp8state._kernels.triton_norm_backward`. Block shapes and program counts were timed on
@@ -9,7 +9,8 @@ against 9.6 and 32.8 for ``F.layer_norm`` alone). Backward: 264 programs of eigh
 two rows at a time up to 2048 columns (8192x2048 42.7 us with the partial rows summed by
 ``Tensor.sum``, against 75.7 for ``native_layer_norm_backward``); a kernel of its own sums
 them now (3.5 us a norm at 2048x2048 in the 16-layer model's step, against 7.7 for
-``Tensor.sum`` and its conversions).
+``Tensor.sum`` and its conversions). RMSNorm takes the same plans (the same registers and
+passes, less arithmetic).
 """
 
 from __future__ import annotations
@@ -65,24 +66,26 @@ def norm_cast_slot(
     slot: int,
     fp8_dtype: torch.dtype,
     new_step: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LayerNorm of ``x_2d`` cast with ``scale[slot]``, its amax recorded, in one launch.
+    rms: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """LayerNorm (``rms``: RMSNorm) of ``x_2d`` cast with ``scale[slot]``, its amax recorded.
 
     Args as :func:`fp8state._kernels.cast_launch.cast_slot` (``x_2d`` contiguous, at most
     :data:`MAX_COLUMNS` columns), plus the norm's ``weight``, ``bias`` (contiguous, length
-    ``x_2d.shape[1]``) and ``eps``.
+    ``x_2d.shape[1]``; None for RMSNorm) and ``eps``.
 
     Returns:
-        ``(x_fp8, scale_inv snapshot, mean, rstd)``: the rows' mean and reciprocal standard
-        deviation as float32 ``(M, 1)``, as ``torch.native_layer_norm`` returns them.
+        ``(x_fp8, scale_inv snapshot, mean, rstd)``: the rows' mean (None for RMSNorm) and
+        reciprocal standard deviation (RMSNorm: of the root mean square) as float32
+        ``(M, 1)``, as ``torch.native_layer_norm`` returns them.
     """
     m, n = x_2d.shape
     device = x_2d.device
     programs, span, block_m, block_n, warps = _forward_plan(m, n)
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     inv_out = torch.empty(1, dtype=torch.float32, device=device)
-    mean = torch.empty((m, 1), dtype=torch.float32, device=device)
     rstd = torch.empty((m, 1), dtype=torch.float32, device=device)
+    mean = None if rms else torch.empty((m, 1), dtype=torch.float32, device=device)
     scratch = scratch_pair(device) if new_step else scale
     has_bias = bias is not None
     bias_t = bias if bias is not None else weight
@@ -98,6 +101,7 @@ def norm_cast_slot(
         bias_t.dtype,
         fp8_dtype,
         has_bias,
+        rms,
         new_step,
         ptr_aligned(x_2d),
         ptr_aligned(weight),
@@ -114,7 +118,7 @@ def norm_cast_slot(
             weight,
             bias_t,
             out,
-            mean,
+            rstd if mean is None else mean,  # RMSNorm stores no mean
             rstd,
             scale,
             scale_inv,
@@ -131,6 +135,7 @@ def norm_cast_slot(
             block_m,
             block_n,
             has_bias,
+            rms,
             new_step,
             slots_block,
             chunk,
@@ -146,15 +151,15 @@ def norm_backward(
     x_2d: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    mean: torch.Tensor,
+    mean: torch.Tensor | None,
     rstd: torch.Tensor,
     params: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """LayerNorm's input gradient and, if ``params``, its weight's and bias's gradients.
+    """The norm's input gradient and, if ``params``, its weight's and bias's gradients.
 
     ``grad`` and ``x_2d`` are contiguous ``(M, N)`` tensors of one dtype, ``mean`` and
-    ``rstd`` the forward's (:func:`norm_cast_slot`); the parameters' gradients come in the
-    parameters' dtypes (the bias's is None without a bias).
+    ``rstd`` the forward's (:func:`norm_cast_slot`; no ``mean``: RMSNorm's); the parameters'
+    gradients come in the parameters' dtypes (the bias's is None without a bias).
     """
     m, n = x_2d.shape
     device = x_2d.device
@@ -165,6 +170,7 @@ def norm_backward(
         block_m,
         block_n,
         params,
+        mean is None,
         *map(int_spec, (m, n, span)),
         x_2d.dtype,
         grad.dtype,
@@ -176,7 +182,22 @@ def norm_backward(
     _BACKWARD(
         key,
         (programs,),
-        (grad, x_2d, weight, mean, rstd, dx, partial, m, n, span, block_m, block_n, params),
+        (
+            grad,
+            x_2d,
+            weight,
+            rstd if mean is None else mean,  # an unread stand-in for RMSNorm
+            rstd,
+            dx,
+            partial,
+            m,
+            n,
+            span,
+            block_m,
+            block_n,
+            params,
+            mean is None,  # RMS: no mean, no centering
+        ),
         device,
         num_warps=8,
     )

@@ -1,14 +1,15 @@
-"""LayerNorm and the FP8 cast of its output, in one pass on CUDA.
+"""A norm (LayerNorm or RMSNorm) and the FP8 cast of its output, in one pass on CUDA.
 
 A norm followed by an FP8 GEMM (``LayerNormLinear``, ``LayerNormMLP``) would write the norm's
 output in high precision only for the cast to read it back. Here each program walks ``span``
 rows, ``BLOCK_M`` at a time, whole rows held in registers (``BLOCK_N >= N`` columns): it
-normalizes them, rounds the result to the input's dtype (what the norm returns, so the FP8
-bits are those of the cast of that output) and casts it with the slot's scale. It writes the
-FP8 rows (no transposed copy: the one-byte transpose makes it), the rows' mean and
-reciprocal standard deviation (what the norm's backward takes) and the inverse scale's
-snapshot, and records the amax as every cast does (:mod:`fp8state._kernels.triton_record`).
-:mod:`fp8state._kernels.norm_launch` launches it.
+normalizes them (``RMS``: divides by the root mean square, no centering and no bias), rounds
+the result to the input's dtype (what the norm returns, so the FP8 bits are those of the cast
+of that output) and casts it with the slot's scale. It writes the FP8 rows (no transposed
+copy: the one-byte transpose makes it), the rows' reciprocal standard deviation (or root mean
+square) and, for LayerNorm, their mean (what the norm's backward takes) and the inverse
+scale's snapshot, and records the amax as every cast does
+(:mod:`fp8state._kernels.triton_record`). :mod:`fp8state._kernels.norm_launch` launches it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _norm_cast_rows(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    RMS: tl.constexpr,
 ):
     """Program ``pid``'s ``span`` rows, ``BLOCK_M`` at a time; returns their amax."""
     cols = tl.arange(0, BLOCK_N)
@@ -61,11 +63,13 @@ def _norm_cast_rows(
         mask = in_rows[:, None] & in_cols[None, :]
         offsets = rows[:, None] * N + cols[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        # Two passes over registers, as the definition reads (no running-moment updates).
-        mean = tl.sum(x, axis=1) / N
-        centered = tl.where(mask, x - mean[:, None], 0.0)
+        if RMS:  # masked elements loaded as 0 add nothing to the mean square
+            centered = x
+        else:  # two passes over registers, as the definition reads (no running moments)
+            mean = tl.sum(x, axis=1) / N
+            centered = tl.where(mask, x - mean[:, None], 0.0)
+            tl.store(mean_ptr + rows, mean, mask=in_rows)
         rstd = libdevice.rsqrt(tl.sum(centered * centered, axis=1) / N + eps)
-        tl.store(mean_ptr + rows, mean, mask=in_rows)
         tl.store(rstd_ptr + rows, rstd, mask=in_rows)
         y = centered * rstd[:, None] * w[None, :]
         if HAS_BIAS:
@@ -103,6 +107,7 @@ def norm_cast_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    RMS: tl.constexpr,
     SHIFT: tl.constexpr,
     SLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -115,7 +120,7 @@ def norm_cast_kernel(
     if pid >= 0:
         amax = _norm_cast_rows(
             pid, x_ptr, w_ptr, b_ptr, out_ptr, mean_ptr, rstd_ptr, scale_ptr, inv_ptr,
-            inv_out_ptr, slot, M, N, span, eps, BLOCK_M, BLOCK_N, HAS_BIAS,
+            inv_out_ptr, slot, M, N, span, eps, BLOCK_M, BLOCK_N, HAS_BIAS, RMS,
         )  # fmt: skip
         record_amax(amax, scratch_ptr, hist_ptr, slot, SHIFT)
     elif SHIFT:

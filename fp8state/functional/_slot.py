@@ -79,7 +79,7 @@ def input_cast_for(
     """A GEMM input's cast (a forward slot); with ``norm``, of ``norm(x)``, computed by it.
 
     Returns the FP8 copy, its transpose (if asked), the inverse scale and, with a norm, the
-    rows' mean and reciprocal standard deviation, which the norm's backward takes
+    rows' statistics that the norm's backward takes
     (:func:`fp8state._runtime.norm_cast.norm_backward`); without, an empty tuple.
     """
     if norm is None:
@@ -88,7 +88,7 @@ def input_cast_for(
         )
         return x_fp8, x_fp8_t, inv, ()
     hist, scale, scale_inv, new_step = _buffers(module, "fwd", replay)
-    x_fp8, x_fp8_t, inv, mean, rstd = norm_cast.norm_cast_slot(
+    return norm_cast.norm_cast_slot(
         x.contiguous(),
         norm.weight,
         norm.bias,
@@ -100,5 +100,5 @@ def input_cast_for(
         fp8_dtype,
         transpose=transpose,
         new_step=new_step,
+        rms=norm.rms,
     )
-    return x_fp8, x_fp8_t, inv, (mean, rstd)

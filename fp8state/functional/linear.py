@@ -5,7 +5,7 @@ current scales, recording their amaxes; backward casts the incoming gradient to 
 dtype (E5M2 under HYBRID). FP8 GEMMs take the second operand column-major, so each cast also
 writes the transposed copy its operand needs in backward, in the same pass
 (:func:`fp8state._runtime.slot_cast.cast_and_record`); only those FP8 transposes are saved for
-backward (and, where the input's cast computes a LayerNorm, what the norm's backward takes).
+backward (and, where the input's cast computes a norm, what the norm's backward takes).
 
 Weights can be cast once per optimizer step and reused across micro-batches
 (``is_first_microbatch``, as in TE), and GEMMs too small for FP8 to pay run in high precision
@@ -61,8 +61,8 @@ def linear(
         is_first_microbatch: None casts the weight every call. True casts it, records its
             amax and keeps the FP8 copy; False reuses that copy (later micro-batches of the same
             optimizer step, where the weight has not changed).
-        norm: A LayerNorm to apply to ``inp`` first (``F.linear(norm(inp), ...)``). In FP8
-            its output is never written in high precision: the input's cast computes it
+        norm: A LayerNorm or RMSNorm to apply to ``inp`` first (``F.linear(norm(inp), ...)``).
+            In FP8 its output is never written in high precision: the input's cast computes it
             (:func:`fp8state._runtime.norm_cast.norm_cast_slot`), and backward runs the
             norm's backward after the input-gradient GEMM.
     """
@@ -209,6 +209,7 @@ class _FP8Linear(torch.autograd.Function):
         norm_weight: torch.Tensor | None,
         norm_bias: torch.Tensor | None,
         norm_eps: float | None,
+        norm_rms: bool,
         module: FP8StateMixin,
         gemm: int,
         fp8_ctx: autocast.FP8Context,
@@ -221,17 +222,13 @@ class _FP8Linear(torch.autograd.Function):
         needs = ctx.needs_input_grad
         # The GEMM's input gradient feeds the norm's gradients too.
         need_dgrad, need_wgrad = needs[0] or needs[3] or needs[4], needs[1]
+        norm = from_args(norm_weight, norm_bias, norm_eps, norm_rms)
         inp_fp8, inp_fp8_t, inp_scale_inv, stats = input_cast_for(
-            module,
-            fwd_slot(gemm, FwdSlot.INPUT),
-            inp_2d,
-            fp8_dtype,
-            need_wgrad,
-            replay,
-            from_args(norm_weight, norm_bias, norm_eps),
+            module, fwd_slot(gemm, FwdSlot.INPUT), inp_2d, fp8_dtype, need_wgrad, replay, norm
         )
         # With a norm, what its backward takes: its input, parameters and the rows' stats.
-        norm_saved = (inp_2d, norm_weight, norm_bias, *stats) if stats else ()
+        norm_saved = (inp_2d, norm_weight, norm_bias, *stats) if norm is not None else ()
+        ctx.norm_spec = (norm_eps, norm_rms)
         weight_fp8, weight_fp8_t, weight_scale_inv = _cast_weight(
             module, weight, gemm, fp8_dtype, need_dgrad, is_first_microbatch, record, replay
         )
@@ -297,9 +294,11 @@ class _FP8Linear(torch.autograd.Function):
             grad_bias = grad_sums.to(ctx.bias_dtype)
         grad_norm_weight = grad_norm_bias = None
         if norm_saved and grad_inp is not None:  # the GEMM's input gradient is the norm's
-            x, norm_weight, norm_bias, mean, rstd = norm_saved
+            x, norm_weight, norm_bias, *stats = norm_saved
+            eps, rms = ctx.norm_spec
             grad_inp, grad_norm_weight, grad_norm_bias = norm_cast.norm_backward(
-                grad_inp, x, norm_weight, norm_bias, mean, rstd, (needs[0], needs[3], needs[4])
-            )
+                grad_inp, x, norm_weight, norm_bias, eps, tuple(stats),
+                (needs[0], needs[3], needs[4]), rms=rms,
+            )  # fmt: skip
         grads = (grad_inp, grad_weight, grad_bias, grad_norm_weight, grad_norm_bias)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, *[None] * 9)  # eps, rms, module, gemm, context, backend, ...

@@ -7,7 +7,7 @@ same pass that quantizes, records the amax and sums the bias gradient: two passe
 over ``tokens x ffn`` elements less each way, and neither high-precision tensor is ever
 allocated. What backward keeps: the FP8 transposes the gradients multiply with, and fc1's
 output ``h`` (GELU's derivative needs it, as in TE), each dropped as soon as it is used; with
-a LayerNorm computed by fc1's input cast, also the norm's input and the rows' statistics.
+a norm computed by fc1's input cast, also the norm's input and the rows' statistics.
 Neither GELU cast writes a transposed copy: the FP8 transposes come from a one-byte transpose
 afterwards, faster for GELU's output, and for its gradient made only after ``h`` is dropped,
 which keeps the peak below bf16's (docs/benchmarks.md).
@@ -63,7 +63,7 @@ def gelu_mlp(
 ) -> torch.Tensor | None:
     """``fc2(gelu_tanh(fc1(inp)))`` fused in FP8, or None where the fused path does not apply.
 
-    ``norm``: a LayerNorm applied to ``inp`` first, computed by fc1's input cast (as
+    ``norm``: a LayerNorm or RMSNorm applied to ``inp`` first, computed by fc1's input cast (as
     :func:`fp8state.functional.linear.linear` does); where None is returned, the caller
     applies it.
 
@@ -123,6 +123,7 @@ class _FP8GeluMLP(torch.autograd.Function):
         norm_weight: torch.Tensor | None,
         norm_bias: torch.Tensor | None,
         norm_eps: float | None,
+        norm_rms: bool,
         module: FP8StateMixin,
         fp8_ctx: autocast.FP8Context,
         backend: str,
@@ -136,19 +137,14 @@ class _FP8GeluMLP(torch.autograd.Function):
         need_x = needs[0] or needs[5] or needs[6]  # the input's gradient, or the norm's
         # GELU's input gradient is needed for everything upstream of fc2's output.
         need_chain = need_x or needs[1] or needs[2]
+        norm = from_args(norm_weight, norm_bias, norm_eps, norm_rms)
         x_fp8, x_fp8_t, x_inv, stats = input_cast_for(
-            module,
-            fwd_slot(0, FwdSlot.INPUT),
-            inp,
-            dtype,
-            need_w1,
-            replay,
-            from_args(norm_weight, norm_bias, norm_eps),
+            module, fwd_slot(0, FwdSlot.INPUT), inp, dtype, need_w1, replay, norm
         )
         # With a norm, what its backward takes: its input and the rows' statistics (its
         # parameters are the module's: nothing to release).
-        norm_saved: list[torch.Tensor | None] = [inp, *stats] if stats else [None] * 3
-        ctx.norm_params = (norm_weight, norm_bias)
+        norm_saved = [inp, *stats] if norm is not None else []
+        ctx.norm = norm
         w1_fp8, w1_fp8_t, w1_inv = _cast_weight(
             module, fc1_weight, 0, dtype, need_x, is_first_microbatch, record, replay
         )
@@ -235,7 +231,7 @@ class _FP8GeluMLP(torch.autograd.Function):
             needs[3],
             column_sums=need_b2,
         )
-        grads: list[torch.Tensor | None] = [None] * 14
+        grads: list[torch.Tensor | None] = [None] * 15
         need_x = needs[0] or needs[5] or needs[6]  # the input's gradient, or the norm's
         if needs[3]:  # fc2 weight: (hidden, M) @ (M, ffn)
             assert g_fp8_t is not None  # cast with transpose=needs[3]
@@ -267,13 +263,15 @@ class _FP8GeluMLP(torch.autograd.Function):
         if need_x:  # input: (M, ffn) @ (ffn, hidden)
             d_inp, _ = fp8_gemm(dh_fp8, dh_inv, w1_fp8_t.t(), w1_inv, inp_dtype, backend)
             grads[0] = d_inp
-            x, mean, rstd = norm_saved
-            norm_weight, norm_bias = ctx.norm_params
-            if x is not None and norm_weight is not None:  # that was the norm's output gradient
+            if norm_saved:  # that was the norm's output gradient
+                x, *stats = norm_saved
+                norm: InputNorm = ctx.norm
                 grads[0], grads[5], grads[6] = norm_cast.norm_backward(
-                    d_inp, x, norm_weight, norm_bias, mean, rstd, (needs[0], needs[5], needs[6])
-                )
-            del norm_saved, x, d_inp
+                    d_inp, x, norm.weight, norm.bias, norm.eps, tuple(stats),
+                    (needs[0], needs[5], needs[6]), rms=norm.rms,
+                )  # fmt: skip
+                del x, stats
+            del norm_saved, d_inp
         if needs[1]:  # fc1 weight: (ffn, M) @ (M, hidden)
             dh_fp8_t = transpose_fp8(dh_fp8)
             del dh_fp8

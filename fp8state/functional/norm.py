@@ -1,4 +1,4 @@
-"""A LayerNorm in front of an FP8 GEMM, which the GEMM's input cast may compute itself."""
+"""A norm in front of an FP8 GEMM (LayerNorm or RMSNorm), which its input cast may compute."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ __all__ = ["InputNorm", "applied", "from_args", "fused_or_applied", "norm_args"]
 
 
 class InputNorm(NamedTuple):
-    """``F.layer_norm`` over the last dimension with these parameters."""
+    """``F.layer_norm`` (or, with ``rms``, ``F.rms_norm``) over the last dimension."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     eps: float
+    rms: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm of ``x`` as ``torch.nn.LayerNorm`` computes it."""
+        """The norm of ``x`` as ``torch.nn.LayerNorm`` (``torch.nn.RMSNorm``) computes it."""
+        if self.rms:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
@@ -40,13 +43,15 @@ def applied(inp: torch.Tensor, norm: InputNorm | None) -> torch.Tensor:
 
 def norm_args(
     norm: InputNorm | None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, float | None]:
-    """What an FP8 autograd function takes for the norm: weight, bias, eps (Nones if none)."""
-    return (None, None, None) if norm is None else (norm.weight, norm.bias, norm.eps)
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float | None, bool]:
+    """What an FP8 autograd function takes for the norm: weight, bias, eps, rms (or Nones)."""
+    if norm is None:
+        return None, None, None, False
+    return norm.weight, norm.bias, norm.eps, norm.rms
 
 
 def from_args(
-    weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float | None
+    weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float | None, rms: bool
 ) -> InputNorm | None:
     """The norm an FP8 autograd function was given (:func:`norm_args`), or None."""
-    return None if weight is None or eps is None else InputNorm(weight, bias, eps)
+    return None if weight is None or eps is None else InputNorm(weight, bias, eps, rms)

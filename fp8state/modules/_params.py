@@ -6,7 +6,6 @@ import math
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fp8state.errors import ConfigError
@@ -88,21 +87,25 @@ def normalize(
     eps: float,
 ) -> torch.Tensor:
     """LayerNorm or RMSNorm over the last dimension, exactly as ``torch.nn`` computes them."""
-    if normalization == "LayerNorm":
-        return InputNorm(weight, bias, eps)(x)
-    return F.rms_norm(x, weight.shape, weight, eps)
+    return _as_input_norm(normalization, weight, bias, eps)(x)
+
+
+def _as_input_norm(normalization: str, weight: torch.Tensor, bias: object, eps: float) -> InputNorm:
+    """The norm ``normalization`` names with these parameters (RMSNorm takes no bias)."""
+    rms = normalization == "RMSNorm"
+    kept = bias if isinstance(bias, torch.Tensor) and not rms else None
+    return InputNorm(weight, kept, eps, rms)
 
 
 def input_norm(module: nn.Module) -> InputNorm | None:
     """The norm a ``LayerNorm*`` module's first GEMM may compute in its input cast, or None.
 
-    LayerNorm only (the kernel's), and not where the module also returns the norm's output
-    (``return_layernorm_output``): that output must then be written anyway.
+    None where the module also returns the norm's output (``return_layernorm_output``): that
+    output must then be written anyway.
     """
-    if module.normalization != "LayerNorm" or module.return_layernorm_output:
+    if module.return_layernorm_output:
         return None
-    weight, bias = module.layer_norm_weight, module.layer_norm_bias
-    assert isinstance(weight, torch.Tensor)  # a LayerNorm's weight
-    return InputNorm(
-        weight, bias if isinstance(bias, torch.Tensor) else None, cast(float, module.eps)
-    )
+    weight = module.layer_norm_weight
+    assert isinstance(weight, torch.Tensor)  # a norm's weight
+    normalization = cast(str, module.normalization)
+    return _as_input_norm(normalization, weight, module.layer_norm_bias, cast(float, module.eps))
