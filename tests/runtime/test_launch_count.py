@@ -70,8 +70,11 @@ def test_a_linear_step_is_three_casts_three_gemms_two_updates(count: Counter[str
     assert count == {"cast": 3, "gemm": 3, "update": 2}
 
 
-def test_a_layernorm_linear_step_is_a_linears_worth(count: Counter[str]) -> None:
-    layer = _fp8(fp8state.LayerNormLinear(32, 32))
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_a_layernorm_linear_step_is_a_linears_worth(
+    count: Counter[str], normalization: str
+) -> None:
+    layer = _fp8(fp8state.LayerNormLinear(32, 32, normalization=normalization))
     x = torch.randn(8, 32, requires_grad=True)
     _step(layer, x)
     assert count == {"cast": 3, "gemm": 3, "update": 2}
