@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
 from record import report
-from training_loop import build_model, guarded, make_step, mark_graphed
+from training_loop import guarded
+from transformer import build_model, make_step, mark_graphed
 
 MODES = ("default", "reduce-overhead")
 

@@ -24,7 +24,7 @@ import torch
 from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from training_loop import make_step
+from transformer import make_step
 
 import fp8state
 

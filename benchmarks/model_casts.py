@@ -2,7 +2,7 @@
 
 Usage (CUDA + Triton): ``python benchmarks/model_casts.py [--tokens 2048 8192]``.
 
-``training_loop.py``'s layer (hidden 2048, ffn 8192; ``LayerNormLinear`` qkv, ``Linear``
+``transformer.py``'s layer (hidden 2048, ffn 8192; ``LayerNormLinear`` qkv, ``Linear``
 projection, ``LayerNormMLP``) casts, per step and ``T`` tokens: three activations of ``T x
 2048`` and the four weights with their transposed copies, GELU's output without one (then a
 byte transpose), three output gradients with column sums and transposed copies, and GELU's
@@ -19,7 +19,7 @@ import argparse
 
 import torch
 from hopper import kernel_ms, spin_up  # benchmarks/ is on sys.path as a script
-from training_loop import MODEL
+from transformer import MODEL
 
 from fp8state._kernels import cast_launch
 from fp8state._kernels.cast_launch import default_config

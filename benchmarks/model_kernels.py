@@ -4,7 +4,7 @@ Usage (CUDA): ``python benchmarks/model_kernels.py [--batch 1] [--tokens 2048] [
 [--norm RMSNorm]``.
 
 With the host out of the step (CUDA graphs), a step costs the sum of its kernels. This lists
-them for one fwd+bwd of ``training_loop.py``'s model: fp8state's layers marked
+them for one fwd+bwd of ``transformer.py``'s model: fp8state's layers marked
 ``fp8_graphed`` (every GEMM in FP8, as the graphed benchmark runs them), the floor's layers
 (``host_floor.FloorLinear``: one cast per operand, no amax, transposed operands laid out
 beforehand) and ``torch.nn``'s in bf16. Per model: kernels launched, their summed GPU time,
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from host_floor import floor_model_step  # benchmarks/ is on sys.path as a script
 from torch.profiler import ProfilerActivity, profile
-from training_loop import MODEL, build_model, make_step, mark_graphed
+from transformer import MODEL, build_model, make_step, mark_graphed
 
 
 def kernel_times(step: Callable[[], None]) -> dict[str, tuple[int, float]]:

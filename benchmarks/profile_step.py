@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from hopper import sync  # benchmarks/ is on sys.path as a script
 from model_kernels import kernel_times
-from training_loop import build_model, make_step, mark_graphed
+from transformer import build_model, make_step, mark_graphed
 
 
 def timed_ms(step: Callable[[], None], device: torch.device, iters: int) -> tuple[float, float]:

@@ -9,7 +9,7 @@ fp8state's casts and FP8 GEMM carry ``torch.Tag.cudagraph_unsafe`` (the casts' P
 run every step, and their FP8 outputs are new memory every step), so Inductor either splits a
 graph around them into several CUDA graphs (its default,
 ``torch._inductor.config.graph_partition = True``) or, without partitions, runs that graph
-without CUDA graphs. Both parts compile ``training_loop.py``'s model in that mode, with a
+without CUDA graphs. Both parts compile ``transformer.py``'s model in that mode, with a
 first-layer input that keeps no gradient (an embedding's output), and call
 ``torch.compiler.cudagraph_mark_step_begin()`` before each step.
 
@@ -37,7 +37,7 @@ import torch._inductor.config as inductor_config
 from hopper import steady_pair_ms  # benchmarks/ is on sys.path as a script
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
-from training_loop import build_model, make_step, mark_graphed
+from transformer import build_model, make_step, mark_graphed
 
 DEVICE = torch.device("cuda")
 

@@ -59,114 +59,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hopper import spin_up, steady_pair_ms
-from host_floor import FloorLinear, floor_model_step, floor_step  # benchmarks/ on sys.path
+from host_floor import floor_model_step, floor_step  # benchmarks/ on sys.path
 from record import report
 from torch import nn
+from transformer import MODEL, build_model, make_step, mark_graphed
 
 import fp8state
 from fp8state.graphs._capture import _collector_paused
 
 SWEEP = [(m, k, k) for m in (2048, 4096, 8192) for k in (1024, 2048, 4096, 8192)]
-MODEL = {"layers": 16, "hidden": 2048, "ffn": 8192, "heads": 16}
 HOST_SHAPE = (4096, 2048, 2048)
 COMPILED_STEPS = 20
 MICROBATCHES = 4  # per optimizer step, where FP8 weights are cached across micro-batches
-
-
-class Block(nn.Module):
-    """One pre-norm transformer layer, from fp8state's modules or from torch.nn's.
-
-    ``norm``: ``"LayerNorm"`` (the benchmarks' model) or ``"RMSNorm"`` (as Llama's layers).
-    """
-
-    def __init__(
-        self,
-        hidden: int,
-        ffn: int,
-        heads: int,
-        fp8: bool,
-        device: torch.device,
-        floor_tokens: int | None = None,
-        norm: str = "LayerNorm",
-    ):
-        super().__init__()
-        self.heads = heads
-        kw = {"device": device, "dtype": torch.bfloat16}
-        norm_cls = nn.RMSNorm if norm == "RMSNorm" else nn.LayerNorm
-        if floor_tokens is not None:  # the least an FP8 layer can launch (host_floor)
-            t = floor_tokens
-            self.qkv = nn.Sequential(
-                norm_cls(hidden, **kw),
-                FloorLinear(t, hidden, 3 * hidden, fused_input=True, device=device),
-            )
-            self.proj = FloorLinear(t, hidden, hidden, device=device)
-            self.mlp = nn.Sequential(  # GELU fused into the second GEMM's input cast
-                norm_cls(hidden, **kw),
-                FloorLinear(t, hidden, ffn, fused_input=True, device=device),
-                FloorLinear(t, ffn, hidden, device=device),
-            )
-        elif fp8:
-            pkw = {"device": device, "params_dtype": torch.bfloat16}
-            nkw = {**pkw, "normalization": norm}
-            self.qkv: nn.Module = fp8state.LayerNormLinear(hidden, 3 * hidden, **nkw)
-            self.proj: nn.Module = fp8state.Linear(hidden, hidden, **pkw)
-            self.mlp: nn.Module = fp8state.LayerNormMLP(hidden, ffn, **nkw)
-        else:
-            self.qkv = nn.Sequential(norm_cls(hidden, **kw), nn.Linear(hidden, 3 * hidden, **kw))
-            self.proj = nn.Linear(hidden, hidden, **kw)
-            self.mlp = nn.Sequential(
-                norm_cls(hidden, **kw),
-                nn.Linear(hidden, ffn, **kw),
-                nn.GELU(approximate="tanh"),
-                nn.Linear(ffn, hidden, **kw),
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
-        return x + self.mlp(x)
-
-
-def build_model(
-    fp8: bool,
-    device: torch.device,
-    floor_tokens: int | None = None,
-    norm: str = "LayerNorm",
-    **shape: int,
-) -> nn.Module:
-    """The model of fp8state's or torch.nn's layers, or of floor layers for ``floor_tokens``."""
-    torch.manual_seed(0)
-    dims = {**MODEL, **shape}
-    blocks = [
-        Block(dims["hidden"], dims["ffn"], dims["heads"], fp8, device, floor_tokens, norm)
-        for _ in range(dims["layers"])
-    ]
-    return nn.Sequential(*blocks)
-
-
-def mark_graphed(model: nn.Module, graphed: bool) -> None:
-    """Set ``fp8_graphed`` on every FP8 module of ``model`` (the graphed FP8 threshold)."""
-    for module in model.modules():
-        if isinstance(module, fp8state.FP8StateMixin):
-            module.fp8_graphed = graphed
-
-
-def make_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Callable:
-    """One fwd+bwd; gradients accumulate (no optimizer), the same for both models."""
-
-    def step() -> None:
-        if fp8:
-            with fp8state.fp8_autocast():
-                y = model(x)
-        else:
-            y = model(x)
-        y.backward(grad)
-
-    return step
 
 
 def graphed(step: Callable[[], None]) -> Callable[[], None]:
