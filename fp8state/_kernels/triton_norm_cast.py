@@ -6,9 +6,9 @@ rows, ``BLOCK_M`` at a time, whole rows held in registers (``BLOCK_N >= N`` colu
 normalizes them (``RMS``: divides by the root mean square, no centering and no bias), rounds
 the result to the input's dtype (what the norm returns, so the FP8 bits are those of the cast
 of that output) and casts it with the slot's scale. It writes the FP8 rows (no transposed
-copy: the one-byte transpose makes it), the rows' reciprocal standard deviation (or root mean
-square) and, for LayerNorm, their mean (what the norm's backward takes) and the inverse
-scale's snapshot, and records the amax as every cast does
+copy: the one-byte transpose makes it), the rows' reciprocal standard deviation (RMSNorm: of
+the root mean square) and, for LayerNorm, their mean (what the norm's backward takes) and
+the inverse scale's snapshot, and records the amax as every cast does
 (:mod:`fp8state._kernels.triton_record`). :mod:`fp8state._kernels.norm_launch` launches it.
 """
 
