@@ -273,7 +273,8 @@ def guarded(fn: Callable):
         return fn()
     except Exception as exc:  # a mode that fails is a result too
         traceback.print_exc()
-        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        first_line = (str(exc).splitlines() or [""])[0]  # an assert may carry no message
+        return f"error: {type(exc).__name__}: {first_line[:200]}"
 
 
 def bench_host(device: torch.device, args) -> dict[str, float | None]:

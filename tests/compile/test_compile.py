@@ -222,6 +222,32 @@ def test_compiled_forwards_accumulated_into_one_backward() -> None:
         _assert_same(module, twin)
 
 
+def test_backwards_run_one_by_one_after_later_forwards() -> None:
+    # Two forwards, then their backwards one by one: the second forward's exit updates the
+    # forward scales, and the first backward's end the backward ones, before the second
+    # backward runs; each backward must still use what its own forward cast with.
+    module, twin = _twins(
+        lambda: nn.Sequential(fp8state.LayerNormLinear(32, 32), fp8state.Linear(32, 32))
+    )
+    compiled, counter = _compiled(module)
+    for i, pair in enumerate(zip(_inputs(), _inputs(), strict=True)):
+        xs = [pair[0], 3 * pair[1]]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            losses = [_outside_loss(compiled, x) for x in xs]
+        wants = [_outside_loss(twin, x) for x in xs]
+        for loss, want in zip(losses, wants, strict=True):
+            loss.backward()
+            want.backward()
+            assert torch.equal(loss, want)
+        _assert_same(module, twin)
+    assert counter.frame_count == 1
+
+
+def _outside_loss(module: Callable, x: torch.Tensor) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        return module(x).pow(2).sum()
+
+
 SHARP = fp8state.DelayedScaling(margin=1)
 
 
