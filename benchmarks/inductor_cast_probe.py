@@ -25,16 +25,18 @@ it mutates):
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import time
-import traceback
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from profile_step import timed_ms  # benchmarks/ is on sys.path as a script
 from torch import nn
 from torch.library import triton_op, wrap_triton
+from training_loop import guarded
+from transformer import make_step
 
 import fp8state
 
@@ -90,14 +92,11 @@ def _define(name: str, fp8: bool, transpose: bool, amax: bool, bound_arg: bool) 
     return cast
 
 
-def _outcome(run: Any) -> str:
-    """``ok``, or the first line of the error ``run()`` raised."""
-    try:
-        run()
-        torch.cuda.synchronize()
-        return "ok"
-    except Exception as exc:  # the error is the result
-        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+def _ran(run: Any) -> str:
+    """``ok`` once ``run()`` and the GPU's work are done."""
+    run()
+    torch.cuda.synchronize()
+    return "ok"
 
 
 def constructs() -> None:
@@ -121,10 +120,12 @@ def _both(cast: Any, x: torch.Tensor) -> tuple[str, str]:
     scale, hist = torch.ones(2, device="cuda"), torch.zeros(2, device="cuda")
     torch._dynamo.reset()
     compiled = torch.compile(lambda a: cast(a * 2, scale, hist, 0, False))
-    return _outcome(lambda: cast(x, scale, hist, 0, False)), _outcome(lambda: compiled(x))
+    # guarded: "ok", or the error's type and first line (its traceback printed).
+    eager = guarded(lambda: _ran(lambda: cast(x, scale, hist, 0, False)))
+    return eager, guarded(lambda: _ran(lambda: compiled(x)))
 
 
-_CAST = None  # the full kernel's operator, defined on first use
+_CAST = _define("cast", True, True, True, False)  # the variant Inductor compiles
 
 
 class _ProbeLinear(torch.autograd.Function):
@@ -188,51 +189,30 @@ def _stack(kind: str, layers: int, features: int) -> nn.Module:
     return nn.Sequential(*[ProbeLinear(features) for _ in range(layers)])
 
 
-def _step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Any:
-    """One fwd+bwd; fp8state's modules under ``fp8_autocast``, the others as they are."""
-
-    def step() -> None:
-        with fp8state.fp8_autocast() if fp8 else contextlib.nullcontext():
-            y = model(x)
-        y.backward(grad)
-
-    return step
+def _measure(step: Any, start: float) -> str:
+    """Host and synchronized ms per ``step`` after three warm-ups (the compilation's)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - start
+    device = torch.device("cuda")
+    hosts, walls = zip(*(timed_ms(step, device, 10) for _ in range(5)), strict=True)
+    return (
+        f"host {min(hosts):.2f} ms/step, synchronized {min(walls):.2f} ms/step "
+        f"(compiled in {compile_s:.0f} s)"
+    )
 
 
 def steps(layers: int, features: int, tokens: int) -> None:
-    """Host and synchronized ms per compiled step of each stack."""
-    global _CAST
-    _CAST = _define("cast", True, True, True, False)  # the variant Inductor compiles
+    """Host and synchronized ms per compiled step of each stack (best of five blocks of ten)."""
     x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
     for kind in ("bf16", "triton_op casts", "fp8state"):
         start = time.perf_counter()
         model = torch.compile(_stack(kind, layers, features))
-
-        step = _step(model, x, grad, kind == "fp8state")
-
-        try:
-            for _ in range(3):  # warm-up and compilation
-                step()
-            torch.cuda.synchronize()
-            compile_s = time.perf_counter() - start
-            hosts, walls = [], []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(10):
-                    step()
-                hosts.append((time.perf_counter() - t) / 10 * 1e3)
-                torch.cuda.synchronize()
-                walls.append((time.perf_counter() - t) / 10 * 1e3)
-            print(
-                f"{kind}: host {min(hosts):.2f} ms/step, synchronized {min(walls):.2f} ms/step "
-                f"({layers} layers, {tokens}x{features}x{features}; compiled in {compile_s:.0f} s)",
-                flush=True,
-            )
-        except Exception as exc:  # the error is the result
-            traceback.print_exc()
-            print(f"{kind}: error {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        step = make_step(model, x, grad, kind == "fp8state")
+        result = guarded(functools.partial(_measure, step, start))
+        print(f"{kind} ({layers} layers, {tokens}x{features}x{features}): {result}", flush=True)
 
 
 def main() -> None:
