@@ -26,7 +26,7 @@ from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
 from fp8state.errors import ConfigError
 from fp8state.functional import _take_part
-from fp8state.functional._ops import cast_op, gemm_op, note_backend_op, record_op, refuse
+from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
@@ -67,16 +67,25 @@ def linear(
     if inp.numel() * weight.shape[0] < min_gemm_macs(
         backend, module.fp8_min_gemm_macs, module.fp8_graphed
     ):
-        note_backend_op(handle, "high_precision", TOKEN)  # in order with the casts' notes
+        _note_backend(module, "high_precision")
         out = F.linear(inp, weight, bias)
         if _take_part.takes_part(module, ctx):  # other ranks may run it in FP8
             out = _take_part.compiled(handle, context, out)
         return out
+    _note_backend(module, gemm_runs_as(backend, inp_2d.shape[1], weight.shape[0]))
     register = context_stack.note_call(handle, context)
     fp8_format = ctx.recipe.fp8_format
     how = (context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
     out = _CompiledFP8Linear.apply(inp_2d, weight, bias, handle, how)
     return like_input(out, inp)
+
+
+def _note_backend(module: FP8StateMixin, backend: str) -> None:
+    # An attribute store while Dynamo traces: the graph leaves it out and Dynamo replays it
+    # after each run, in program order with the graph's other stores (the backend is known
+    # when tracing). An operator here cost every fallback GEMM of a compiled step a dispatch
+    # from the host and split Inductor's CUDA graphs around it (docs/benchmarks.md).
+    module.fp8_last_gemm_backend = backend
 
 
 @torch.compiler.assume_constant_result
@@ -104,15 +113,14 @@ class _CompiledFP8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         context, register, gemm, fwd_dtype, _, backend = how
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        used = gemm_runs_as(backend, inp.shape[1], weight.shape[0])
         meta = (handle, context, register, "fwd")
         inp_fp8, inp_fp8_t, inp_inv, _ = cast_op(
             inp.contiguous(), *meta, fwd_slot(gemm, FwdSlot.INPUT), fwd_dtype, need_wgrad,
-            False, "identity", None, used, TOKEN,
+            False, "identity", None, TOKEN,
         )  # fmt: skip
         weight_fp8, weight_fp8_t, weight_inv, _ = cast_op(
             weight.detach().contiguous(), *meta, fwd_slot(gemm, FwdSlot.WEIGHT), fwd_dtype,
-            need_dgrad, False, "identity", None, "", TOKEN,
+            need_dgrad, False, "identity", None, TOKEN,
         )  # fmt: skip
         # Fast accumulation in forward only, as the eager path (fp8state.backends.fp8_gemm).
         out = gemm_op(inp_fp8, inp_inv, weight_fp8.t(), weight_inv, inp.dtype, backend, bias, True)
@@ -134,7 +142,7 @@ class _CompiledFP8Linear(torch.autograd.Function):
         grad_fp8, grad_fp8_t, grad_inv, grad_sums = cast_op(
             grad_out.contiguous(), handle, context, False, "bwd",
             bwd_slot(gemm, BwdSlot.GRAD_OUTPUT), bwd_dtype, need_wgrad, need_bias, "identity",
-            None, "", token,
+            None, token,
         )  # fmt: skip
         grad_inp = grad_weight = grad_bias = None
         if need_dgrad:  # (M, N) @ (N, K)

@@ -27,7 +27,6 @@ import torch
 from fp8state import autocast
 from fp8state._runtime import handles, microbatch
 from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
-from fp8state._runtime.friend import set_plain_attr
 from fp8state._runtime.operators import define
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError, RecomputationError
@@ -36,7 +35,7 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import Direction
 
-__all__ = ["cast_op", "record_op", "note_backend_op", "gemm_op", "refuse"]
+__all__ = ["cast_op", "record_op", "gemm_op", "refuse"]
 
 
 def _module(handle: torch.Tensor, what: str) -> FP8StateMixin:
@@ -86,7 +85,6 @@ def _cast(
     column_sums: bool,
     op: str,
     aux: torch.Tensor | None,
-    backend: str,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One slot's cast of a compiled graph: the eager path's own code on the module's buffers.
@@ -95,8 +93,7 @@ def _cast(
     (:func:`fp8state._runtime.handles.handle_of`).
     The direction's step is opened and the module registered for that direction's scale
     update under the ``fp8_autocast`` numbered ``context`` (forward: where ``register``,
-    else the graph's own context exit does it); ``backend``, where not empty, is noted as the
-    module's ``fp8_last_gemm_backend``.
+    else the graph's own context exit does it).
     The module's metadata buffers are not arguments: the operator reads and writes them
     itself, ordered among fp8state's operators by ``token``
     (:data:`fp8state._runtime.context_stack.TOKEN`), so the graph never copies them.
@@ -107,8 +104,6 @@ def _cast(
         _forward(module, f"slot {slot}", context, register)
     else:
         autocast.register_backward(module, context_of(context))
-    if backend:
-        set_plain_attr(module, "fp8_last_gemm_backend", backend)
     side = cast(Direction, direction)  # "fwd" or "bwd", written by _compiled
     x_fp8, x_fp8_t, snapshot, sums = cast_for(
         module,
@@ -145,7 +140,6 @@ def _cast_fake(
     column_sums: bool,
     op: str,
     aux: torch.Tensor | None,
-    backend: str,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
@@ -159,7 +153,7 @@ cast_op = define(
     "cast_slot",
     "(Tensor x, Tensor handle, int context, bool register, str direction, int slot, "
     "ScalarType fp8_dtype, bool transpose, bool column_sums, str op, Tensor? aux, "
-    "str backend, Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)",
+    "Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)",
     _cast,
     _cast_fake,
     TAGS,
@@ -196,24 +190,6 @@ record_op = define(
     "(Tensor x, Tensor handle, int context, bool register, int slot, Tensor(t!) token) -> ()",
     _record,
     _record_fake,
-    TAGS,
-)
-
-
-def _note_backend(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
-    """Note ``backend`` as the module's ``fp8_last_gemm_backend``, in the graph's order."""
-    set_plain_attr(_module(handle, "fp8state::note_backend"), "fp8_last_gemm_backend", backend)
-
-
-def _note_backend_fake(handle: torch.Tensor, backend: str, token: torch.Tensor) -> None:
-    return None
-
-
-note_backend_op = define(
-    "note_backend",
-    "(Tensor handle, str backend, Tensor(t!) token) -> ()",
-    _note_backend,
-    _note_backend_fake,
     TAGS,
 )
 

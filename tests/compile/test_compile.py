@@ -160,6 +160,35 @@ def test_calibration_and_fallback_compile_as_eager() -> None:
     _assert_same(module, twin)
 
 
+def test_a_compiled_fallback_adds_no_operator_and_notes_backends_in_order() -> None:
+    # A GEMM too small for FP8 compiles to what F.linear compiles to: no fp8state operator
+    # per call (each cost a compiled step host time). The backend each call ran with is
+    # noted in program order, an FP8 call's and a fallback's alike.
+    module, twin = _twins(lambda: fp8state.Linear(32, 32))
+    module.fp8_min_gemm_macs = twin.fp8_min_gemm_macs = 10_000  # (2, 8, 32) in FP8, (1, 2, 32) not
+    big, small = torch.randn(2, 8, 32), torch.randn(1, 2, 32)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: (module(a), module(b)), fullgraph=True, backend=backend)
+    for first, last, expected in ((big, small, "high_precision"), (small, big, "emulated")):
+        for m, fn in ((module, compiled), (twin, lambda a, b: (twin(a), twin(b)))):
+            with fp8state.fp8_autocast():
+                fn(first, last)
+            assert m.fp8_last_gemm_backend == expected
+    small_only = torch.compile(module, fullgraph=True, backend=backend)
+    with fp8state.fp8_autocast():
+        small_only(small)
+    assert module.fp8_last_gemm_backend == "high_precision"
+    ops = [[str(n.target) for n in g.graph.nodes if "fp8state" in str(n.target)] for g in graphs]
+    assert len(graphs) == 3 and ops[0] and ops[1]  # the FP8 calls' casts, GEMM and exit
+    assert ops[2] == []
+
+
 def test_a_checkpoint_saved_between_compiled_steps_resumes_exactly() -> None:
     module, twin = _twins(lambda: fp8state.LayerNormLinear(32, 48))
     compiled, _ = _compiled(module)
