@@ -51,8 +51,13 @@ def cast_us(
     transpose: bool,
     sums: bool,
     iters: int = 30,
+    new_step: bool = False,
 ) -> float:
-    """Device microseconds of one default cast of ``x`` (a later record of a step)."""
+    """Device microseconds of one default cast of ``x``.
+
+    A later record of a step, or with ``new_step`` one that opens it (shifting a 1024-row
+    history first).
+    """
     history, scale = torch.zeros(1024, 3, device=_CUDA), torch.ones(3, device=_CUDA)
     return 1e3 * kernel_ms(
         lambda: cast_launch._launch(
@@ -65,7 +70,7 @@ def cast_us(
             torch.float8_e4m3fn,
             transpose,
             snapshot=True,
-            new_step=False,
+            new_step=new_step,
             column_sums=sums,
             op=op,
             aux=aux,
