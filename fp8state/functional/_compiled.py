@@ -8,9 +8,9 @@ the numbers of an eager one: the same casts with the same scales, the same amax 
 scale updates (at the ``fp8_autocast`` exit, and at the end of backward).
 
 What a compiled call does not do: cache FP8 weights across micro-batches
-(``is_first_microbatch`` raises), or replay a recomputation (activation checkpointing around
-or inside the compiled call fails); the fused GELU MLP runs as its two GEMMs. docs/compile.md
-has the whole list.
+(``is_first_microbatch`` raises), or replay a recomputation (a checkpoint around the compiled
+call raises; one inside it is a graph break, and runs eagerly); the fused GELU MLP runs as its
+two GEMMs. docs/compile.md has the whole list.
 """
 
 from __future__ import annotations

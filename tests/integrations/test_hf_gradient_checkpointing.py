@@ -3,8 +3,9 @@
 A tiny ``transformers.LlamaForCausalLM`` (built from a config, nothing downloaded) converted
 with ``fp8state.convert_model`` trains a few steps under ``fp8_autocast`` with
 ``model.gradient_checkpointing_enable()`` (which runs ``torch.utils.checkpoint``, both ways)
-and with fp8state's drop-in as the checkpoint function: losses, input and weight gradients
-and every FP8 buffer match the same steps without checkpointing, bit for bit. On the CPU
+and with fp8state's drop-in as the checkpoint function, eagerly and with the model compiled
+as ``Trainer(torch_compile=True)`` compiles it: losses, input and weight gradients and every
+FP8 buffer match the same steps without checkpointing, bit for bit. On the CPU
 (emulated GEMMs) and, where CUDA is present, in bf16 on the GPU (``torch._scaled_mm`` and the
 fused Triton casts on FP8-capable GPUs).
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 from _helpers.hf import tiny_fp8_llama, tiny_llama_config, to_fp8
 from _helpers.state import assert_same
+from torch._dynamo.backends.registry import lookup_backend
 
 import fp8state
 from fp8state.backends import resolve_backend
@@ -61,16 +63,27 @@ def _enable(model: Any, how: str) -> None:
         assert model.is_gradient_checkpointing
 
 
-def _train(how: str, device: str) -> list[dict[str, torch.Tensor]]:
+def _train(how: str, device: str, graphs: list[str] | None = None) -> list[dict[str, torch.Tensor]]:
+    """The steps' results; with ``graphs`` (which gets each graph's code), the model compiled
+    whole with graph breaks allowed, ``aot_eager`` (eager's kernels)."""
     model, seen = _model(device), []
     _enable(model, how)
+    run = model
+    if graphs is not None:
+        torch._dynamo.reset()
+
+        def keep(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+            graphs.append(gm.code)
+            return lookup_backend("aot_eager")(gm, inputs)
+
+        run = torch.compile(model, backend=keep)
     backend = resolve_backend("auto", torch.device(device))
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         ids = torch.randint(0, 128, (2, 16), generator=gen).to(device)
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
         with fp8state.fp8_autocast():
-            loss = model(inputs_embeds=embeds, labels=ids).loss
+            loss = run(inputs_embeds=embeds, labels=ids).loss
         loss.backward()
         step = {"loss": loss.detach(), "inputs_embeds.grad": embeds.grad}
         step.update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
@@ -98,3 +111,15 @@ def _reference(device: str) -> list[dict[str, torch.Tensor]]:
 def test_gradient_checkpointing_trains_bit_identically(how: str, device: torch.device) -> None:
     # On a GPU with FP8 tensor cores this is torch._scaled_mm and the fused Triton casts.
     assert_same(_reference(device.type), _train(how, device.type))
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "drop-in"])
+def test_compiled_model_with_gradient_checkpointing_trains_bit_identically(
+    how: str, device: torch.device
+) -> None:
+    # torch.compile breaks the graph at each checkpointed layer (fp8state's bookkeeping, and
+    # transformers' own, are side effects Dynamo refuses inside a checkpoint): those layers
+    # run eagerly and replay their forwards exactly; the rest is compiled, the FP8 head too.
+    graphs: list[str] = []
+    assert_same(_reference(device.type), _train(how, device.type, graphs))
+    assert any("fp8state" in code for code in graphs)
