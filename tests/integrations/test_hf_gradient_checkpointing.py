@@ -12,6 +12,7 @@ fused Triton casts on FP8-capable GPUs).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any
@@ -24,6 +25,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import fp8state
 from fp8state.backends import resolve_backend
+from fp8state.errors import ConfigError
 from fp8state.functional import activation_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -63,11 +65,17 @@ def _enable(model: Any, how: str) -> None:
         assert model.is_gradient_checkpointing
 
 
-def _train(how: str, device: str, graphs: list[str] | None = None) -> list[dict[str, torch.Tensor]]:
+def _train(
+    how: str, device: str, graphs: list[str] | None = None, entry: str = "around"
+) -> list[dict[str, torch.Tensor]]:
     """The steps' results; with ``graphs`` (which gets each graph's code), the model compiled
-    whole with graph breaks allowed, ``aot_eager`` (eager's kernels)."""
+    whole with graph breaks allowed, ``aot_eager`` (eager's kernels). ``entry``: where
+    ``fp8_autocast`` is entered: ``"around"`` each call, ``"wrapped"`` by ``autocast_forward``
+    on the compiled model, ``"inside"`` by ``autocast_forward`` on the model compiled then."""
     model, seen = _model(device), []
     _enable(model, how)
+    if entry == "inside":
+        fp8state.autocast_forward(model)
     run = model
     if graphs is not None:
         torch._dynamo.reset()
@@ -77,12 +85,14 @@ def _train(how: str, device: str, graphs: list[str] | None = None) -> list[dict[
             return lookup_backend("aot_eager")(gm, inputs)
 
         run = torch.compile(model, backend=keep)
+    if entry == "wrapped":
+        run = fp8state.autocast_forward(run)
     backend = resolve_backend("auto", torch.device(device))
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         ids = torch.randint(0, 128, (2, 16), generator=gen).to(device)
         embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
-        with fp8state.fp8_autocast():
+        with fp8state.fp8_autocast() if entry == "around" else contextlib.nullcontext():
             loss = run(inputs_embeds=embeds, labels=ids).loss
         loss.backward()
         step = {"loss": loss.detach(), "inputs_embeds.grad": embeds.grad}
@@ -113,13 +123,22 @@ def test_gradient_checkpointing_trains_bit_identically(how: str, device: torch.d
     assert_same(_reference(device.type), _train(how, device.type))
 
 
+@pytest.mark.parametrize("entry", ["around", "wrapped"])
 @pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "drop-in"])
 def test_compiled_model_with_gradient_checkpointing_trains_bit_identically(
-    how: str, device: torch.device
+    how: str, entry: str, device: torch.device
 ) -> None:
     # torch.compile breaks the graph at each checkpointed layer (fp8state's bookkeeping, and
     # transformers' own, are side effects Dynamo refuses inside a checkpoint): those layers
     # run eagerly and replay their forwards exactly; the rest is compiled, the FP8 head too.
     graphs: list[str] = []
-    assert_same(_reference(device.type), _train(how, device.type, graphs))
+    assert_same(_reference(device.type), _train(how, device.type, graphs, entry))
     assert any("fp8state" in code for code in graphs)
+
+
+def test_checkpointed_layers_refuse_an_fp8_autocast_entered_in_the_compiled_model() -> None:
+    # autocast_forward on the model before compiling it: the fp8_autocast is entered inside
+    # the compiled function, and a checkpointed layer runs eagerly past a graph break inside
+    # it, where its amaxes would reach no scale update: an error naming the fix.
+    with pytest.raises(ConfigError, match="fp8_autocast outside the compiled function"):
+        _train("non-reentrant", "cpu", [], "inside")
