@@ -4,10 +4,10 @@ A tiny ``transformers.LlamaForCausalLM`` (built from a config, nothing downloade
 with ``fp8state.convert_model`` trains a few steps under ``fp8_autocast`` with
 ``model.gradient_checkpointing_enable()`` (which runs ``torch.utils.checkpoint``, both ways)
 and with fp8state's drop-in as the checkpoint function, eagerly and with the model compiled
-as ``Trainer(torch_compile=True)`` compiles it: losses, input and weight gradients and every
-FP8 buffer match the same steps without checkpointing, bit for bit. On the CPU
-(emulated GEMMs) and, where CUDA is present, in bf16 on the GPU (``torch._scaled_mm`` and the
-fused Triton casts on FP8-capable GPUs).
+whole (graph breaks allowed): losses, input and weight gradients and every FP8 buffer match
+the same steps without checkpointing, bit for bit. On the CPU (emulated GEMMs) and, where
+CUDA is present, in bf16 on the GPU (``torch._scaled_mm`` and the fused Triton casts on
+FP8-capable GPUs).
 """
 
 from __future__ import annotations
