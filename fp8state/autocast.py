@@ -44,6 +44,7 @@ __all__ = [
     "active_context",
     "innermost_context",
     "is_fp8_enabled",
+    "BROKEN_CONTEXTS_RUN_EAGERLY",
 ]
 
 
@@ -282,3 +283,10 @@ class fp8_autocast:  # noqa: N801 - TE's name, a context manager used like a fun
                 context_stack.pop()
         finally:
             self._entered = False
+
+
+#: Whether a context whose ``with`` block Dynamo breaks up enters and exits eagerly (so the
+#: FP8 calls run eagerly inside it are an eager step's) rather than refusing those calls.
+BROKEN_CONTEXTS_RUN_EAGERLY = context_stack.eager_when_alone(
+    fp8_autocast.__init__, fp8_autocast.__enter__, fp8_autocast.__exit__
+)

@@ -15,7 +15,9 @@ program order (the exit after every cast) and keeps Inductor from merging or dro
 
 from __future__ import annotations
 
+import importlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "context_handle",
     "context_of",
     "note_call",
+    "eager_when_alone",
 ]
 
 #: Mutated by every fp8state operator of a compiled forward graph: their order is the
@@ -138,6 +141,34 @@ def compiled_enter(ctx: Any) -> None:
     THREAD.stack.append(ctx)  # seen by the trace; balanced by compiled_exit
     THREAD.handles.append(_numbered(ctx))
     THREAD.calls.append([])
+
+
+def eager_when_alone(*functions: Callable[..., Any]) -> bool:
+    """Have Dynamo run ``functions`` eagerly where it meets them as frames of their own.
+
+    Inlined into a traced function, ``fp8_autocast``'s methods are traced (the graph's own
+    context, above). Dynamo also meets them alone: it cannot break a graph inside a context
+    it traces, so where the ``with`` block holds a graph break, it runs the function holding
+    the block eagerly and offers each frame that function calls for compilation, ``__enter__``
+    and ``__exit__`` among them. Compiled alone, they would enter a context that no graph
+    exits, and an FP8 call run eagerly between them would find no step to register with.
+    Skipped, together with what they call, they enter and exit as eager code does, and the
+    frames compiled between them register with that context, as graphs called under an
+    ``fp8_autocast`` do: the step is an eager step.
+
+    Returns:
+        Whether Dynamo took the setting (a private one; torch builds without it keep the
+        old behaviour: the eager FP8 call raises ``ConfigError``).
+    """
+    try:
+        frames = importlib.import_module("torch._C._dynamo.eval_frame")
+        action = frames._FrameAction.SKIP
+        skip = frames._FrameExecStrategy(action, action)  # the frame and what it calls
+        for function in functions:
+            frames.set_code_exec_strategy(function.__code__, skip)
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def note_call(module: torch.Tensor, context: int) -> bool:

@@ -378,17 +378,27 @@ def test_torch_autocast_around_a_compiled_step(name: str) -> None:
         _assert_same(module, twin)
 
 
-def test_an_eager_fp8_call_inside_a_broken_compiled_context_is_refused() -> None:
-    module = nn.Sequential(fp8state.Linear(32, 32), fp8state.Linear(32, 32))
+def test_a_graph_break_inside_a_compiled_context_makes_an_eager_step() -> None:
+    # Dynamo cannot break a graph inside the context it traces: it runs the function holding
+    # the `with` eagerly, the context enters and exits as eagerly, and the modules compiled
+    # alone and the FP8 call run eagerly between them are an eager step's, bit for bit.
+    module, twin = _twins(lambda: nn.Sequential(*(fp8state.Linear(32, 32) for _ in range(3))))
 
-    @torch._dynamo.disable
-    def eager_part(x: torch.Tensor) -> torch.Tensor:
-        return module[1](x)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
+    def step(m: nn.Module, x: torch.Tensor, eager_part: Callable) -> torch.Tensor:
         with fp8state.fp8_autocast():
-            return eager_part(module[0](x))
+            return m[2](eager_part(m[1], m[0](x))).sum()
 
     torch._dynamo.reset()
-    with pytest.raises(ConfigError, match="graph break inside the context"):
-        torch.compile(step, backend="aot_eager")(_inputs(1)[0])
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter)
+    eager_part = torch._dynamo.disable(lambda m, y: m(y))
+    for x in _inputs(3):
+        if not fp8state.autocast.BROKEN_CONTEXTS_RUN_EAGERLY:  # a torch without the setting
+            with pytest.raises(ConfigError, match="graph break inside the context"):
+                compiled(module, x, eager_part)
+            return
+        compiled(module, x, eager_part).backward()
+        step(twin, x, lambda m, y: m(y)).backward()
+        _assert_same(module, twin)
+    assert module[2].fp8_meta("fwd").amax_history[:3, :2].gt(0).all()  # three steps recorded
+    assert counter.frame_count == 2  # the two modules around the break, compiled alone
