@@ -9,6 +9,8 @@ sees it (:func:`compiled_enter`), and the graph refers to it by number
 under, and the exit of the graph's outermost context is one custom operator
 (:func:`compiled_exit`) that registers the calls traced inside it and updates their scales,
 as an eager exit does. Nothing is left entered on the thread when a graph raises halfway.
+A context whose block Dynamo cannot trace whole is entered and exited eagerly instead
+(:func:`eager_when_alone`), around the frames Dynamo compiles inside it.
 Every fp8state operator of a forward graph mutates one token tensor, which chains them in
 program order (the exit after every cast) and keeps Inductor from merging or dropping any.
 """

@@ -22,6 +22,7 @@ from _helpers.state import assert_same
 from dist_workers import lightning_worker as runs
 from lightning.fabric import Fabric
 from torch import nn
+from torch._dynamo.backends.registry import lookup_backend
 
 import fp8state
 from fp8state.errors import CheckpointError, ConfigError
@@ -86,6 +87,38 @@ def test_fabric_resume_is_bit_for_bit(tmp_path: Path) -> None:
     resumed = runs.fabric_run("resume", tmp_path)  # a new Fabric, model and optimizer
     assert len(first["losses"]) == runs.FIRST_STEPS
     assert_resumed_run_is_the_full_run(full, first, resumed)
+
+
+def test_fabric_trains_a_compiled_model_as_eager() -> None:
+    # fabric.setup(torch.compile(net)) converts the module under the compiled wrapper and
+    # compiles it again; its steps (aot_eager: eager's kernels) equal the eager model's.
+    results, graphs = [], []
+
+    def keep(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        net = runs.plain_net()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        plugin = FabricFP8Precision(**runs.plugin_options())
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugin)
+        model, optimizer = fabric.setup(
+            torch.compile(net, backend=keep) if compiled else net, optimizer
+        )
+        losses = []
+        for step in range(3):
+            loss = model(runs.batch(step)).square().mean()
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        assert set(fp8_modules(net)) == {"1", "3", "4"}
+        results.append((torch.stack(losses), net.state_dict()))
+    assert len(graphs) == 1  # the converted model, compiled once
+    assert torch.equal(results[0][0], results[1][0])
+    assert_same(results[0][1], results[1][1])
 
 
 def test_convert_false_takes_the_model_as_it_is() -> None:
