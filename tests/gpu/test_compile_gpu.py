@@ -5,7 +5,8 @@ of every fp8state module is trained for a few steps compiled (``fullgraph=True``
 eager twin. With ``aot_eager`` the graph runs the eager kernels, so everything must match bit
 for bit; Inductor fuses the norms around the FP8 GEMMs, so there the outputs and scales must
 agree within bounds, the GEMMs must be ``torch._scaled_mm``'s, nothing may recompile after
-the first step, and every step must record its amaxes and update its scales.
+the first step, and every step must record its amaxes and update its scales. A step whose
+compiled ``fp8_autocast`` Dynamo breaks up is an eager step, bit for bit.
 """
 
 from __future__ import annotations
@@ -123,6 +124,34 @@ def test_fp8_autocast_inside_the_compiled_step() -> None:
             c.fp8_meta("fwd").scale, e.fp8_meta("fwd").scale, rtol=0.05, atol=0
         )
         assert torch.count_nonzero(c.fp8_meta("fwd").amax_history[:STEPS].sum(1)) == STEPS
+
+
+def _broken_step(model: nn.Module, x: torch.Tensor, middle) -> torch.Tensor:
+    with fp8state.fp8_autocast():
+        return model[2](middle(model[1], model[0](x))).float().pow(2).sum()
+
+
+def test_a_graph_break_inside_a_compiled_context_makes_an_eager_step() -> None:
+    # As on the CPU (tests/compile/): Dynamo runs the function holding the broken `with`
+    # eagerly, the modules around the break compile alone, the middle one runs eagerly, and
+    # with aot_eager every step is the eager step, bit for bit.
+    if not fp8state.autocast.BROKEN_CONTEXTS_RUN_EAGERLY:
+        pytest.skip("this torch cannot run fp8_autocast's frames eagerly")
+    torch._dynamo.reset()
+    compiled, eager = _model(), _model()
+    eager.load_state_dict(compiled.state_dict())
+    eager[2].fp8_fuse_activation = False  # compiled alone, it runs as two GEMMs
+    step = torch.compile(_broken_step, backend="aot_eager")
+    middle = torch._dynamo.disable(lambda m, y: m(y))
+    for x in _inputs():
+        step(compiled, x, middle).backward()
+        _broken_step(eager, x, lambda m, y: m(y)).backward()
+    pairs = zip(compiled.state_dict().items(), eager.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), name
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert {m.fp8_last_gemm_backend for m in compiled} == {"scaled_mm"}
 
 
 def test_reduce_overhead_replays_its_cuda_graphs_and_agrees_with_eager(monkeypatch) -> None:
