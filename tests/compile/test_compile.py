@@ -236,6 +236,29 @@ def test_refusals_raise_fp8state_errors_when_the_graph_runs() -> None:
             y.sum().backward()
 
 
+@pytest.mark.skipif(
+    not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"),
+    reason="this torch has no such setting",
+)
+def test_a_checkpoint_traced_inside_the_graph_refuses_its_recomputation() -> None:
+    # Told to trace side effects inside a checkpoint anyway (Accelerate's regional compilation
+    # with FSDP2 sets this), Dynamo compiles the checkpointed FP8 layer, and AOTAutograd
+    # recomputes its casts in backward, where the forward's scales are gone: an error.
+    module = fp8state.Linear(32, 32)
+    x = _inputs(1)[0].requires_grad_()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        compiled = torch.compile(
+            lambda y: torch.utils.checkpoint.checkpoint(module, y, use_reentrant=False),
+            fullgraph=True,
+            backend="aot_eager",
+        )
+        with fp8state.fp8_autocast():
+            out = compiled(x)
+    with pytest.raises(RecomputationError, match="compiled FP8 forward run again"):
+        out.sum().backward()
+
+
 def test_compiled_forwards_accumulated_into_one_backward() -> None:
     # Several compiled forwards (and an evaluation forward) before one backward: eager's steps.
     module, twin = _twins(lambda: fp8state.LayerNormLinear(32, 32))
