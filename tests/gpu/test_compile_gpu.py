@@ -60,6 +60,16 @@ def _inputs() -> list[torch.Tensor]:
     ]
 
 
+def _assert_bit_for_bit(compiled: nn.Module, eager: nn.Module) -> None:
+    """State dicts (FP8 metadata included) and gradients equal; the GEMMs were FP8's."""
+    pairs = zip(compiled.state_dict().items(), eager.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), name
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert {m.fp8_last_gemm_backend for m in compiled} == {"scaled_mm"}
+
+
 def test_aot_eager_graph_matches_eager_bit_for_bit() -> None:
     compiled, eager = _model(), _model()
     eager.load_state_dict(compiled.state_dict())
@@ -69,12 +79,7 @@ def test_aot_eager_graph_matches_eager_bit_for_bit() -> None:
     out_e = _train(eager, eager, xs)
     for a, b in zip(out_c, out_e, strict=True):
         assert torch.equal(a, b)
-    pairs = zip(compiled.state_dict().items(), eager.state_dict().values(), strict=True)
-    for (name, a), b in pairs:
-        assert torch.equal(a, b), name
-    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-    assert {m.fp8_last_gemm_backend for m in compiled} == {"scaled_mm"}
+    _assert_bit_for_bit(compiled, eager)
 
 
 @pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
@@ -146,12 +151,7 @@ def test_a_graph_break_inside_a_compiled_context_makes_an_eager_step() -> None:
     for x in _inputs():
         step(compiled, x, middle).backward()
         _broken_step(eager, x, lambda m, y: m(y)).backward()
-    pairs = zip(compiled.state_dict().items(), eager.state_dict().values(), strict=True)
-    for (name, a), b in pairs:
-        assert torch.equal(a, b), name
-    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
-        assert torch.equal(a.grad, b.grad)
-    assert {m.fp8_last_gemm_backend for m in compiled} == {"scaled_mm"}
+    _assert_bit_for_bit(compiled, eager)
 
 
 def test_reduce_overhead_replays_its_cuda_graphs_and_agrees_with_eager(monkeypatch) -> None:
