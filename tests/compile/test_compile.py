@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch._dynamo.testing
+from _helpers.compiling import aot_eager_keeping
 from torch import nn
 
 import fp8state
@@ -168,11 +169,7 @@ def test_a_compiled_fallback_adds_no_operator_and_notes_backends_in_order() -> N
     module.fp8_min_gemm_macs = twin.fp8_min_gemm_macs = 10_000  # (2, 8, 32) in FP8, (1, 2, 32) not
     big, small = torch.randn(2, 8, 32), torch.randn(1, 2, 32)
     graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        graphs.append(gm)
-        return gm.forward
-
+    backend = aot_eager_keeping(graphs)
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: (module(a), module(b)), fullgraph=True, backend=backend)
     for first, last, expected in ((big, small, "high_precision"), (small, big, "emulated")):

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers.compiling import aot_eager_keeping
 from _helpers.hf import tiny_fp8_llama, tiny_llama_config, to_fp8
 from _helpers.state import assert_same
-from torch._dynamo.backends.registry import lookup_backend
 
 import fp8state
 from fp8state.backends import resolve_backend
@@ -66,9 +66,9 @@ def _enable(model: Any, how: str) -> None:
 
 
 def _train(
-    how: str, device: str, graphs: list[str] | None = None, entry: str = "around"
+    how: str, device: str, graphs: list[torch.fx.GraphModule] | None = None, entry: str = "around"
 ) -> list[dict[str, torch.Tensor]]:
-    """The steps' results; with ``graphs`` (which gets each graph's code), the model compiled
+    """The steps' results; with ``graphs`` (which gets each graph), the model compiled
     whole with graph breaks allowed, ``aot_eager`` (eager's kernels). ``entry``: where
     ``fp8_autocast`` is entered: ``"around"`` each call, ``"wrapped"`` by ``autocast_forward``
     on the compiled model, ``"inside"`` by ``autocast_forward`` on the model then compiled."""
@@ -79,12 +79,7 @@ def _train(
     run = model
     if graphs is not None:
         torch._dynamo.reset()
-
-        def keep(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-            graphs.append(gm.code)
-            return lookup_backend("aot_eager")(gm, inputs)
-
-        run = torch.compile(model, backend=keep)
+        run = torch.compile(model, backend=aot_eager_keeping(graphs))
     if entry == "wrapped":
         run = fp8state.autocast_forward(run)
     backend = resolve_backend("auto", torch.device(device))
@@ -137,6 +132,6 @@ def test_compiled_model_with_gradient_checkpointing_trains_bit_identically(
         with pytest.raises(ConfigError, match="graph break inside the context"):
             _train(how, device.type, [], entry)
         return
-    graphs: list[str] = []
+    graphs: list[torch.fx.GraphModule] = []
     assert_same(_reference(device.type), _train(how, device.type, graphs, entry))
-    assert any("fp8state" in code for code in graphs)
+    assert any("fp8state" in gm.code for gm in graphs)

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers.compiling import aot_eager_keeping
 from _helpers.paths import REPO_ROOT, TESTS
 from _helpers.state import assert_same
 from dist_workers import lightning_worker as runs
 from lightning.fabric import Fabric
 from torch import nn
-from torch._dynamo.backends.registry import lookup_backend
 
 import fp8state
 from fp8state.errors import CheckpointError, ConfigError
@@ -93,11 +93,7 @@ def test_fabric_trains_a_compiled_model_as_eager() -> None:
     # fabric.setup(torch.compile(net)) converts the module under the compiled wrapper and
     # compiles it again; its steps (aot_eager: eager's kernels) equal the eager model's.
     results, graphs = [], []
-
-    def keep(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
-        graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, inputs)
-
+    keep = aot_eager_keeping(graphs)
     for compiled in (False, True):
         torch._dynamo.reset()
         net = runs.plain_net()
