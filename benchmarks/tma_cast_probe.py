@@ -126,8 +126,12 @@ def descriptor_transpose(x8: torch.Tensor, config: tuple) -> Callable[[], None]:
     return lambda: launch(*descs, m, n, bm, bn, stages, num_warps=warps)
 
 
+def _best_of_three(measure: Callable[[], float]) -> float:
+    return round(min(measure() for _ in range(3)), 2)
+
+
 def _us(fn: Callable[[], object]) -> float:
-    return round(min(1e3 * kernel_ms(fn, _CUDA, 5, 40) for _ in range(3)), 2)
+    return _best_of_three(lambda: 1e3 * kernel_ms(fn, _CUDA, 5, 40))
 
 
 def _best(make: Callable[[tuple], Callable[[], None]], grid: list) -> dict:
@@ -146,10 +150,8 @@ def shape_row(m: int, n: int) -> dict:
     x = torch.randn(m, n, device=_CUDA, dtype=torch.bfloat16)
     x8 = x.to(torch.float8_e4m3fn)
 
-    def fp8state_cast(new_step: bool) -> float:  # best of three, as _us
-        return round(
-            min(cast_us(x, None, "identity", True, False, 40, new_step) for _ in range(3)), 2
-        )
+    def fp8state_cast(new_step: bool) -> float:
+        return _best_of_three(lambda: cast_us(x, None, "identity", True, False, 40, new_step))
 
     return {
         "fp8state_cast_us": fp8state_cast(False),
