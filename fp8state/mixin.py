@@ -26,7 +26,7 @@ from torch import nn
 from fp8state import scaling
 from fp8state._runtime import handles, meta_io, recompute, staging
 from fp8state._runtime.buffers import ALL_BUFFER_NAMES, BUFFER_NAMES
-from fp8state._runtime.friend import StepBookkeeping
+from fp8state._runtime.friend import CachedWeight, StepBookkeeping
 from fp8state._runtime.generation import bump_buffer_generation
 from fp8state._runtime.scale_update import update_direction_
 from fp8state.errors import ConfigError, FP8StateError
@@ -111,9 +111,7 @@ class FP8StateMixin(StepBookkeeping, nn.Module):
         self._fp8_join_runtime()
         self._fp8_new_step: dict[Direction, bool] = {d: True for d in DIRECTIONS}
         #: FP8 copies of weights kept across micro-batches (``is_first_microbatch``), per GEMM.
-        self.fp8_weight_cache: dict[
-            int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-        ] = {}
+        self.fp8_weight_cache: dict[int, CachedWeight] = {}
         self.fp8_recipe = recipe or DelayedScaling(
             amax_history_len=min(DEFAULT_HISTORY_ROWS, history_rows)
         )

@@ -14,14 +14,13 @@ import weakref
 
 import torch
 
+from fp8state._runtime.friend import CachedWeight
 from fp8state.errors import RecomputationError
 
 __all__ = ["ForwardRecord", "ForwardScales", "MLP_SITE", "HIGH_PRECISION", "site_name"]
 
 #: The site of the fused LayerNormMLP call; per-GEMM calls use their GEMM index.
 MLP_SITE = -1
-
-_CachedWeight = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
 class _Held:
@@ -123,7 +122,7 @@ class ForwardRecord:
         if self.scales is not None:
             self.scales.note_cached(gemm, weight_fp8)
 
-    def reuse_weight(self, gemm: int, cached: _CachedWeight, transpose: bool) -> None:
+    def reuse_weight(self, gemm: int, cached: CachedWeight, transpose: bool) -> None:
         """Note that the call multiplied with ``module.fp8_weight_cache[gemm]``.
 
         Weakly, unless the record was made with ``hold_weights`` (a drop-in checkpoint's, which
@@ -143,7 +142,7 @@ class ForwardRecord:
         ref = _Held if self._hold else weakref.ref
         self._weights[gemm] = tuple(None if t is None else ref(t) for t in cached)
 
-    def cached_weight(self, module: object, gemm: int) -> _CachedWeight | None:
+    def cached_weight(self, module: object, gemm: int) -> CachedWeight | None:
         """The cached FP8 weight the call reused, or None where it cast the weight itself.
 
         Raises:

@@ -18,7 +18,11 @@ from fp8state.recipe import DelayedScaling
 from fp8state.schema import DirectionState
 from fp8state.slots import DIRECTIONS, Direction
 
-__all__ = ["FP8Friend", "StepBookkeeping", "set_plain_attr"]
+__all__ = ["CachedWeight", "FP8Friend", "StepBookkeeping", "set_plain_attr"]
+
+#: A cached FP8 weight (``is_first_microbatch``): the FP8 copy, its transpose (None where it
+#: was cast without one) and its inverse scale.
+CachedWeight = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
 def set_plain_attr(module: object, name: str, value: object) -> None:
@@ -36,7 +40,7 @@ class FP8Friend(Protocol):
 
     _buffers: dict[str, torch.Tensor | None]
     fp8_recipe: DelayedScaling
-    fp8_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    fp8_weight_cache: dict[int, CachedWeight]
 
     @property
     def fp8_num_gemms(self) -> int:
@@ -100,7 +104,7 @@ class StepBookkeeping:
 
     _fp8_mutations: int
     _fp8_new_step: dict[Direction, bool]
-    fp8_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    fp8_weight_cache: dict[int, CachedWeight]
 
     def _fp8_mutation_count(self) -> int:
         return self._fp8_mutations

@@ -7,10 +7,11 @@ step stays out of the trace, in the custom operators of :mod:`._ops`. So a compi
 the numbers of an eager one: the same casts with the same scales, the same amax records and
 scale updates (at the ``fp8_autocast`` exit, and at the end of backward).
 
-What a compiled call does not do: cache FP8 weights across micro-batches
-(``is_first_microbatch`` raises), or replay a recomputation (a checkpoint around the compiled
-call raises; one inside it is a graph break, and runs eagerly); the fused GELU MLP runs as its
-two GEMMs. docs/compile.md has the whole list.
+FP8 weights cached across micro-batches (``is_first_microbatch``) are the eager path's cache,
+through an operator that hands the graph copies (:func:`._ops.weight_op`); Dynamo compiles
+one graph per value of the argument. What a compiled call does not do: replay a recomputation
+(a checkpoint around the compiled call raises; one inside it is a graph break, and runs
+eagerly); the fused GELU MLP runs as its two GEMMs. docs/compile.md has the whole list.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fp8state._runtime.context_stack import TOKEN
 from fp8state.backends import gemm_runs_as, min_gemm_macs, resolve_backend
 from fp8state.errors import ConfigError
 from fp8state.functional import _take_part
-from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse
+from fp8state.functional._ops import cast_op, gemm_op, record_op, refuse, weight_op
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
@@ -46,13 +47,6 @@ def linear(
     ctx = autocast.active_context()
     if ctx is None:
         return F.linear(inp, weight, bias)
-    if is_first_microbatch is not None:  # raised when the graph runs
-        refuse(
-            f"{type(module).__name__}.forward(is_first_microbatch=...)",
-            repr(is_first_microbatch),
-            "None under torch.compile (FP8 weights are cast every call)",
-            "Drop is_first_microbatch from compiled calls, or run them eagerly.",
-        )
     handle = handles.handle_of(module)  # a graph input: modules alike share one graph
     context = context_stack.context_handle(ctx)
     inp_2d = as_2d(inp)
@@ -75,7 +69,8 @@ def linear(
     _note_backend(module, gemm_runs_as(backend, inp_2d.shape[1], weight.shape[0]))
     register = context_stack.note_call(handle, context)
     fp8_format = ctx.recipe.fp8_format
-    how = (context, register, gemm, fp8_format.dtype("fwd"), fp8_format.dtype("bwd"), backend)
+    dtypes = (fp8_format.dtype("fwd"), fp8_format.dtype("bwd"))
+    how = (context, register, gemm, *dtypes, backend, is_first_microbatch)
     out = _CompiledFP8Linear.apply(inp_2d, weight, bias, handle, how)
     return like_input(out, inp)
 
@@ -109,19 +104,25 @@ class _CompiledFP8Linear(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         handle: torch.Tensor,
-        how: tuple[int, bool, int, torch.dtype, torch.dtype, str],
+        how: tuple[int, bool, int, torch.dtype, torch.dtype, str, bool | None],
     ) -> torch.Tensor:
-        context, register, gemm, fwd_dtype, _, backend = how
+        context, register, gemm, fwd_dtype, _, backend, first = how
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         meta = (handle, context, register, "fwd")
         inp_fp8, inp_fp8_t, inp_inv, _ = cast_op(
             inp.contiguous(), *meta, fwd_slot(gemm, FwdSlot.INPUT), fwd_dtype, need_wgrad,
             False, "identity", None, TOKEN,
         )  # fmt: skip
-        weight_fp8, weight_fp8_t, weight_inv, _ = cast_op(
-            weight.detach().contiguous(), *meta, fwd_slot(gemm, FwdSlot.WEIGHT), fwd_dtype,
-            need_dgrad, False, "identity", None, TOKEN,
-        )  # fmt: skip
+        weight = weight.detach().contiguous()
+        if first is None:  # cast every call
+            weight_fp8, weight_fp8_t, weight_inv, _ = cast_op(
+                weight, *meta, fwd_slot(gemm, FwdSlot.WEIGHT), fwd_dtype, need_dgrad, False,
+                "identity", None, TOKEN,
+            )  # fmt: skip
+        else:  # through the module's cache of FP8 weights, as eagerly
+            weight_fp8, weight_fp8_t, weight_inv = weight_op(
+                weight, handle, context, register, gemm, fwd_dtype, need_dgrad, first, TOKEN
+            )
         # Fast accumulation in forward only, as the eager path (fp8state.backends.fp8_gemm).
         out = gemm_op(inp_fp8, inp_inv, weight_fp8.t(), weight_inv, inp.dtype, backend, bias, True)
         ctx.save_for_backward(inp_fp8_t, weight_fp8_t, inp_inv, weight_inv, handle)
@@ -132,7 +133,7 @@ class _CompiledFP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inp_fp8_t, weight_fp8_t, inp_inv, weight_inv, handle = ctx.saved_tensors
-        context, _, gemm, _, bwd_dtype, backend = ctx.how
+        context, _, gemm, _, bwd_dtype, backend, _ = ctx.how
         inp_dtype, weight_dtype, bias_dtype = ctx.dtypes
         need_dgrad, need_wgrad, need_bgrad = ctx.needs_input_grad[:3]
         need_bias = bias_dtype is not None and need_bgrad

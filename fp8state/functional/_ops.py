@@ -30,12 +30,12 @@ from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.operators import define
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError, RecomputationError
-from fp8state.functional._slot import cast_for
+from fp8state.functional._slot import cast_for, reusable_weight
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
-from fp8state.slots import Direction
+from fp8state.slots import Direction, FwdSlot, fwd_slot
 
-__all__ = ["cast_op", "record_op", "gemm_op", "refuse"]
+__all__ = ["cast_op", "weight_op", "record_op", "gemm_op", "refuse"]
 
 
 def _module(handle: torch.Tensor, what: str) -> FP8StateMixin:
@@ -58,7 +58,7 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
             f"{type(module).__name__} ({what})",
             "a compiled FP8 call while is_first_microbatch is in force (graphs captured with "
             "fp8_weight_caching, or their eager calls)",
-            "compiled calls cast their weights every call and take no is_first_microbatch",
+            "compiled calls follow is_first_microbatch only where it is passed to them",
             "Call the module uncompiled inside graphs with FP8 weight caching, or graph "
             "without fp8_weight_caching.",
         )
@@ -156,6 +156,66 @@ cast_op = define(
     "Tensor(t!) token) -> (Tensor, Tensor, Tensor, Tensor)",
     _cast,
     _cast_fake,
+    TAGS,
+)
+
+
+def _weight(
+    weight: torch.Tensor,
+    handle: torch.Tensor,
+    context: int,
+    register: bool,
+    gemm: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    first: bool,
+    token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A compiled call's FP8 weight under ``is_first_microbatch=first``: the eager path's cache.
+
+    A later micro-batch reuses ``module.fp8_weight_cache[gemm]`` where eager would
+    (:func:`fp8state.functional._slot.reusable_weight`), recording nothing; otherwise the
+    weight is cast and recorded as :func:`_cast` does, and kept there. What the graph gets is
+    a copy: an operator's outputs belong to the graph, whose memory planning may reuse their
+    storage once they are dead, so the cached tensors themselves must never be among them.
+    """
+    module = _module(handle, f"fp8state::cached_weight (GEMM {gemm})")
+    cached = reusable_weight(module, gemm, first, transpose)
+    if cached is None:
+        _forward(module, f"GEMM {gemm} weight", context, register)
+        slot = fwd_slot(gemm, FwdSlot.WEIGHT)
+        x_fp8, x_fp8_t, inv, _ = cast_for(module, "fwd", slot, weight, fp8_dtype, transpose)
+        cached = module.fp8_weight_cache[gemm] = (x_fp8, x_fp8_t, inv)
+    x_fp8, x_fp8_t, inv = cached
+    # Only the layouts the call asked for (a cached transpose the call does not need stays).
+    t_copy = x_fp8_t.clone() if transpose and x_fp8_t is not None else x_fp8.new_empty(0)
+    return x_fp8.clone(), t_copy, inv.clone()
+
+
+def _weight_fake(
+    weight: torch.Tensor,
+    handle: torch.Tensor,
+    context: int,
+    register: bool,
+    gemm: int,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    first: bool,
+    token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, cols = weight.shape
+    x_fp8 = weight.new_empty((rows, cols), dtype=fp8_dtype)
+    x_fp8_t = weight.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)
+    return x_fp8, x_fp8_t, weight.new_empty(1, dtype=torch.float32)
+
+
+weight_op = define(
+    "cached_weight",
+    "(Tensor weight, Tensor handle, int context, bool register, int gemm, "
+    "ScalarType fp8_dtype, bool transpose, bool first, Tensor(t!) token) "
+    "-> (Tensor, Tensor, Tensor)",
+    _weight,
+    _weight_fake,
     TAGS,
 )
 

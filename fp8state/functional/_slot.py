@@ -10,12 +10,13 @@ import torch
 
 from fp8state._runtime import norm_cast
 from fp8state._runtime.forward_record import ForwardRecord
+from fp8state._runtime.friend import CachedWeight
 from fp8state._runtime.slot_cast import cast_slot
 from fp8state.functional.norm import InputNorm
 from fp8state.mixin import FP8StateMixin
 from fp8state.slots import Direction
 
-__all__ = ["cast_for", "input_cast_for"]
+__all__ = ["cast_for", "input_cast_for", "reusable_weight"]
 
 
 def _buffers(
@@ -102,3 +103,21 @@ def input_cast_for(
         new_step=new_step,
         rms=norm.rms,
     )
+
+
+def reusable_weight(
+    module: FP8StateMixin, gemm: int, is_first_microbatch: bool | None, transpose: bool
+) -> CachedWeight | None:
+    """The cached FP8 weight a call may multiply with instead of casting, or None.
+
+    Only a later micro-batch (``is_first_microbatch=False``) reuses, and only a copy that has
+    the layouts the call needs (a copy cast without gradients has no transpose). Every other
+    call casts; one that was given ``is_first_microbatch`` then keeps its copy in
+    ``module.fp8_weight_cache[gemm]``.
+    """
+    if is_first_microbatch is not False:
+        return None
+    cached = module.fp8_weight_cache.get(gemm)
+    if cached is None or (transpose and cached[1] is None):
+        return None
+    return cached

@@ -32,7 +32,7 @@ from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
 from fp8state.functional import _compiled, _take_part
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.functional._slot import cast_for as _cast_slot
-from fp8state.functional._slot import input_cast_for
+from fp8state.functional._slot import input_cast_for, reusable_weight
 from fp8state.functional.norm import InputNorm, applied, from_args, fused_or_applied, norm_args
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
@@ -183,12 +183,11 @@ def _cast_weight(
         return weight_fp8, weight_fp8_t, scale_inv
     # A graph being captured for one kind of micro-batch decides for calls that do not.
     is_first_microbatch = microbatch.first_microbatch(is_first_microbatch)
-    cached = module.fp8_weight_cache.get(gemm)
-    if is_first_microbatch is False and cached is not None:
-        if not transpose or cached[1] is not None:
-            if record is not None:
-                record.reuse_weight(gemm, cached, transpose)
-            return cached[0], cached[1], cached[2]
+    cached = reusable_weight(module, gemm, is_first_microbatch, transpose)
+    if cached is not None:
+        if record is not None:
+            record.reuse_weight(gemm, cached, transpose)
+        return cached
     weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
         module, "fwd", slot, weight.detach(), fp8_dtype, transpose
     )

@@ -154,6 +154,29 @@ def test_a_graph_break_inside_a_compiled_context_makes_an_eager_step() -> None:
     _assert_bit_for_bit(compiled, eager)
 
 
+def _micro_batch(model: nn.Module, x: torch.Tensor, first: bool) -> torch.Tensor:
+    for module in model:
+        x = module(x, is_first_microbatch=first)
+    return x
+
+
+def test_micro_batches_with_cached_weights_match_eager_bit_for_bit() -> None:
+    # As on the CPU (tests/compile/test_compile_microbatches.py): the first micro-batch of
+    # each step casts the weights, the later one reuses the modules' cached FP8 copies.
+    torch._dynamo.reset()
+    compiled, eager = _model(), _model()
+    eager.load_state_dict(compiled.state_dict())
+    eager[2].fp8_fuse_activation = False
+    step = torch.compile(_micro_batch, fullgraph=True, backend="aot_eager")
+    for i, x in enumerate(_inputs()):
+        for model, run in ((compiled, step), (eager, _micro_batch)):
+            with fp8state.fp8_autocast():
+                y = run(model, x, i % 2 == 0)  # steps of two micro-batches
+            y.float().pow(2).sum().backward()
+    assert all(module.fp8_weight_cache for module in compiled)
+    _assert_bit_for_bit(compiled, eager)
+
+
 def test_reduce_overhead_replays_its_cuda_graphs_and_agrees_with_eager(monkeypatch) -> None:
     # Inductor splits the graph around fp8state's operators into CUDA graphs. None may take
     # an FP8 operand (new memory every step) as a static input: torch would record it again
