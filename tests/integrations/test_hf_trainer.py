@@ -11,6 +11,7 @@ import pytest
 import torch
 from _helpers.hf import cpu_training_args, tiny_fp8_model
 from _helpers.state import assert_state_equal
+from torch._dynamo.utils import counters
 
 import fp8state
 
@@ -73,3 +74,44 @@ def test_trainer_keeps_the_dataset_columns_the_model_takes(tmp_path: Path) -> No
     trainer.args.save_steps = 10
     trainer.train()
     assert len(losses) == 1 and torch.isfinite(losses[0])
+
+
+def test_trainer_with_torch_compile_trains_as_eager(tmp_path: Path) -> None:
+    # TrainingArguments(torch_compile=True): Trainer compiles the model (Accelerate's dynamo
+    # plugin), fp8_autocast entered inside the compiled forward by autocast_forward. With
+    # aot_eager, every step equals the uncompiled Trainer's, bit for bit, in one graph.
+
+    class Recording(transformers.Trainer):  # losses outside the compiled frame
+        losses: list[torch.Tensor]
+
+        def compute_loss(self, model, inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+    runs = []
+    for compiled in (False, True):
+        settings = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
+        args = cpu_training_args(
+            str(tmp_path / str(compiled)),
+            max_steps=STEPS,
+            save_steps=10 * STEPS,
+            per_device_train_batch_size=2,
+            **settings,
+        )
+        model = fp8state.autocast_forward(tiny_fp8_model("llama", seed=0))
+        trainer = Recording(model=model, args=args, train_dataset=_dataset())
+        trainer.losses = []
+        torch._dynamo.reset()
+        counters.clear()
+        trainer.train()
+        runs.append(trainer)
+    eager, compiled_run = runs
+    assert isinstance(compiled_run.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(compiled_run.losses) == STEPS
+    for a, b in zip(eager.losses, compiled_run.losses, strict=True):
+        assert torch.equal(a, b)
+    assert_state_equal(compiled_run.model, eager.model)
+    for key, value in eager.model.state_dict().items():
+        assert torch.equal(compiled_run.model.state_dict()[key], value), key
