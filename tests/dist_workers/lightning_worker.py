@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,15 @@ def loader(world: int = 1) -> torch.utils.data.DataLoader:
 
 
 def trainer(
-    epochs: int, folder: Path, strategy: str = "auto", devices: int = 1, **overrides: Any
+    epochs: int,
+    folder: Path,
+    strategy: str = "auto",
+    devices: int = 1,
+    callbacks: Sequence[Any] = (),
+    **overrides: Any,
 ) -> L.Trainer:
     """A quiet CPU Trainer with the plugin; ModelCheckpoint keeps every epoch's checkpoint
-    in ``folder``. No validation unless ``overrides`` say so."""
+    in ``folder``, after ``callbacks``. No validation unless ``overrides`` say so."""
     options: dict[str, Any] = {"limit_val_batches": 0, **overrides}
     return L.Trainer(
         max_epochs=epochs,
@@ -149,7 +155,7 @@ def trainer(
         devices=devices,
         strategy=strategy,
         plugins=TrainerFP8Precision(**plugin_options("net.")),
-        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1)],
+        callbacks=[*callbacks, ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -22,7 +22,9 @@ from _helpers.paths import REPO_ROOT, TESTS
 from _helpers.state import assert_same
 from dist_workers import lightning_worker as runs
 from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch._dynamo.utils import counters
 
 import fp8state
 from fp8state.errors import CheckpointError, ConfigError
@@ -188,6 +190,40 @@ def test_trainer_restores_a_module_it_converted_already(
     run = runs.trainer(runs.EPOCHS, tmp_path)
     run.fit(module, runs.loader(), ckpt_path=folder / "saved.ckpt")
     assert_resumed_run_is_the_full_run(full, first, runs.outcome(module.net, module.losses))
+
+
+class _Quiet(runs.TinyModule):
+    """Its losses are taken by a callback: ``loss.item()`` in the step is a graph break."""
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(outputs["loss"].detach())
+
+
+def test_trainer_fits_a_compiled_module_as_eager(tmp_path: Path) -> None:
+    # trainer.fit(torch.compile(module)): Lightning unwraps the module, the plugin converts it,
+    # and the training step is compiled (Lightning runs it through the compiled forward);
+    # with aot_eager its steps equal the eager fit's, in one graph.
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        module, losses = _Quiet(), _Losses()
+        run = runs.trainer(2, tmp_path / str(compiled), callbacks=[losses])
+        run.fit(torch.compile(module, backend="aot_eager") if compiled else module, runs.loader())
+        assert type(module.net[4]) is fp8state.Linear
+        results.append((torch.stack(losses.losses), module.state_dict()))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(results[1][0]) == 2 * runs.BATCHES_PER_EPOCH
+    assert torch.equal(results[0][0], results[1][0])
+    assert_same(results[0][1], results[1][1])
 
 
 def test_validation_steps_run_in_fp8(tmp_path: Path) -> None:
