@@ -95,7 +95,10 @@ def _resolved(requested: str, device: torch.device) -> tuple[str, tuple[str, ...
 
 
 class _CompiledFP8Linear(torch.autograd.Function):
-    """``_FP8Linear``'s arithmetic, with every cast one :func:`._ops.cast_op` call."""
+    """``_FP8Linear``'s arithmetic, with every cast one operator call.
+
+    :func:`._ops.cast_op`, or :func:`._ops.weight_op` for a weight given ``is_first_microbatch``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -30,10 +30,10 @@ from fp8state._runtime.context_stack import TAGS, TOKEN, context_of
 from fp8state._runtime.operators import define
 from fp8state.backends import fp8_gemm
 from fp8state.errors import ConfigError, RecomputationError
-from fp8state.functional._slot import cast_for, reusable_weight
+from fp8state.functional._slot import cast_for, weight_for
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
-from fp8state.slots import Direction, FwdSlot, fwd_slot
+from fp8state.slots import Direction
 
 __all__ = ["cast_op", "weight_op", "record_op", "gemm_op", "refuse"]
 
@@ -58,7 +58,8 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
             f"{type(module).__name__} ({what})",
             "a compiled FP8 call while is_first_microbatch is in force (graphs captured with "
             "fp8_weight_caching, or their eager calls)",
-            "compiled calls follow is_first_microbatch only where it is passed to them",
+            "no compiled FP8 call inside such a capture (the flag a capture assumes never "
+            "reaches a compiled call, whether or not the call passes is_first_microbatch)",
             "Call the module uncompiled inside graphs with FP8 weight caching, or graph "
             "without fp8_weight_caching.",
         )
@@ -173,20 +174,14 @@ def _weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A compiled call's FP8 weight under ``is_first_microbatch=first``: the eager path's cache.
 
-    A later micro-batch reuses ``module.fp8_weight_cache[gemm]`` where eager would
-    (:func:`fp8state.functional._slot.reusable_weight`), recording nothing; otherwise the
-    weight is cast and recorded as :func:`_cast` does, and kept there. What the graph gets is
-    a copy: an operator's outputs belong to the graph, whose memory planning may reuse their
-    storage once they are dead, so the cached tensors themselves must never be among them.
+    :func:`fp8state.functional._slot.weight_for` reuses or casts and keeps, as eagerly. The
+    graph gets copies of the cached tensors, never the tensors themselves: an operator's
+    outputs belong to the graph, whose memory planning may reuse the storage of dead ones
+    (docs/decisions.md).
     """
     module = _module(handle, f"fp8state::cached_weight (GEMM {gemm})")
-    cached = reusable_weight(module, gemm, first, transpose)
-    if cached is None:
-        _forward(module, f"GEMM {gemm} weight", context, register)
-        slot = fwd_slot(gemm, FwdSlot.WEIGHT)
-        x_fp8, x_fp8_t, inv, _ = cast_for(module, "fwd", slot, weight, fp8_dtype, transpose)
-        cached = module.fp8_weight_cache[gemm] = (x_fp8, x_fp8_t, inv)
-    x_fp8, x_fp8_t, inv = cached
+    _forward(module, f"GEMM {gemm} weight", context, register)
+    (x_fp8, x_fp8_t, inv), _ = weight_for(module, gemm, weight, fp8_dtype, transpose, first)
     # Only the layouts the call asked for (a cached transpose the call does not need stays).
     t_copy = x_fp8_t.clone() if transpose and x_fp8_t is not None else x_fp8.new_empty(0)
     return x_fp8.clone(), t_copy, inv.clone()
@@ -203,10 +198,11 @@ def _weight_fake(
     first: bool,
     token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    x_fp8 = weight.new_empty((rows, cols), dtype=fp8_dtype)
-    x_fp8_t = weight.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)
-    return x_fp8, x_fp8_t, weight.new_empty(1, dtype=torch.float32)
+    x_fp8, x_fp8_t, inv, _ = _cast_fake(
+        weight, handle, context, register, "fwd", 0, fp8_dtype, transpose, False, "identity",
+        None, token,
+    )  # fmt: skip
+    return x_fp8, x_fp8_t, inv
 
 
 weight_op = define(

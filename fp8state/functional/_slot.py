@@ -14,9 +14,9 @@ from fp8state._runtime.friend import CachedWeight
 from fp8state._runtime.slot_cast import cast_slot
 from fp8state.functional.norm import InputNorm
 from fp8state.mixin import FP8StateMixin
-from fp8state.slots import Direction
+from fp8state.slots import Direction, FwdSlot, fwd_slot
 
-__all__ = ["cast_for", "input_cast_for", "reusable_weight"]
+__all__ = ["cast_for", "input_cast_for", "weight_for"]
 
 
 def _buffers(
@@ -105,19 +105,27 @@ def input_cast_for(
     )
 
 
-def reusable_weight(
-    module: FP8StateMixin, gemm: int, is_first_microbatch: bool | None, transpose: bool
-) -> CachedWeight | None:
-    """The cached FP8 weight a call may multiply with instead of casting, or None.
+def weight_for(
+    module: FP8StateMixin,
+    gemm: int,
+    weight: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    is_first_microbatch: bool | None,
+) -> tuple[CachedWeight, bool]:
+    """The FP8 weight a call multiplies with, and whether it is the cached copy.
 
-    Only a later micro-batch (``is_first_microbatch=False``) reuses, and only a copy that has
-    the layouts the call needs (a copy cast without gradients has no transpose). Every other
-    call casts; one that was given ``is_first_microbatch`` then keeps its copy in
-    ``module.fp8_weight_cache[gemm]``.
+    Only a later micro-batch (``is_first_microbatch=False``) reuses
+    ``module.fp8_weight_cache[gemm]``, recording nothing, and only a copy that has the layouts
+    the call needs (one cast without gradients has no transpose). Every other call casts with
+    the slot's scale and records the weight's amax; one that was given
+    ``is_first_microbatch`` keeps what it cast in the cache.
     """
-    if is_first_microbatch is not False:
-        return None
-    cached = module.fp8_weight_cache.get(gemm)
-    if cached is None or (transpose and cached[1] is None):
-        return None
-    return cached
+    cached = module.fp8_weight_cache.get(gemm) if is_first_microbatch is False else None
+    if cached is not None and (cached[1] is not None or not transpose):
+        return cached, True
+    slot = fwd_slot(gemm, FwdSlot.WEIGHT)
+    x_fp8, x_fp8_t, inv, _ = cast_for(module, "fwd", slot, weight, fp8_dtype, transpose)
+    if is_first_microbatch is not None:
+        module.fp8_weight_cache[gemm] = (x_fp8, x_fp8_t, inv)
+    return (x_fp8, x_fp8_t, inv), False

@@ -32,7 +32,7 @@ from fp8state.backends import fp8_gemm, min_gemm_macs, resolve_backend
 from fp8state.functional import _compiled, _take_part
 from fp8state.functional._shapes import as_2d, like_input
 from fp8state.functional._slot import cast_for as _cast_slot
-from fp8state.functional._slot import input_cast_for, reusable_weight
+from fp8state.functional._slot import input_cast_for, weight_for
 from fp8state.functional.norm import InputNorm, applied, from_args, fused_or_applied, norm_args
 from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
@@ -169,10 +169,10 @@ def _cast_weight(
     ``record`` notes a cached weight the call reuses; ``replay`` reuses the one its forward
     did, or casts as the forward did, with the forward's scale and without the cache.
     """
-    slot = fwd_slot(gemm, FwdSlot.WEIGHT)
     if replay is not None:
         used = replay.cached_weight(module, gemm)
         if used is None:
+            slot = fwd_slot(gemm, FwdSlot.WEIGHT)
             weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
                 module, "fwd", slot, weight.detach(), fp8_dtype, transpose, replay=replay
             )
@@ -183,19 +183,14 @@ def _cast_weight(
         return weight_fp8, weight_fp8_t, scale_inv
     # A graph being captured for one kind of micro-batch decides for calls that do not.
     is_first_microbatch = microbatch.first_microbatch(is_first_microbatch)
-    cached = reusable_weight(module, gemm, is_first_microbatch, transpose)
-    if cached is not None:
-        if record is not None:
-            record.reuse_weight(gemm, cached, transpose)
-        return cached
-    weight_fp8, weight_fp8_t, scale_inv, _ = _cast_slot(
-        module, "fwd", slot, weight.detach(), fp8_dtype, transpose
+    used, reused = weight_for(
+        module, gemm, weight.detach(), fp8_dtype, transpose, is_first_microbatch
     )
-    if is_first_microbatch is not None:
-        module.fp8_weight_cache[gemm] = (weight_fp8, weight_fp8_t, scale_inv)
-        if record is not None:
-            record.cache_weight(gemm, weight_fp8)
-    return weight_fp8, weight_fp8_t, scale_inv
+    if record is not None and reused:
+        record.reuse_weight(gemm, used, transpose)
+    elif record is not None and is_first_microbatch is not None:
+        record.cache_weight(gemm, used[0])
+    return used
 
 
 class _FP8Linear(torch.autograd.Function):

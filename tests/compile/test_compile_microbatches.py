@@ -4,8 +4,9 @@ A step of several micro-batches casts each FP8 weight once (``is_first_microbatc
 reuses the copy in the later ones (False), recording no weight amax there. Compiled, the same
 loop must compute what eager computes, bit for bit with ``aot_eager`` (outputs, gradients,
 every FP8 buffer, the modules' caches), with one graph per value of the argument and no
-recompilation after them; with Inductor, whose memory planning may reuse an operator's output
-storage, the cached copies must survive the graph's later steps.
+recompilation after them. With Inductor, the graphs get copies of the cached tensors (an
+operator's outputs are the graph's to reuse), and the cache must still hold what eager's holds
+after the later graphs ran.
 """
 
 from __future__ import annotations
@@ -95,12 +96,12 @@ def test_compiled_micro_batches_reuse_cached_weights_as_eager() -> None:
     for a, b in zip(block.layers, twin.layers, strict=True):
         assert a.fp8_weight_cache
         assert_same(a.fp8_weight_cache, b.fp8_weight_cache)
-    # A later micro-batch records no weight amax: in each step's row, the weights' slots of
-    # the later micro-batches' forward (one row per fp8_autocast) stay zero.
+    # A later micro-batch records no weight amax. One history row per fp8_autocast, newest
+    # first: in every step, the rows of the later micro-batches hold zero in the weight's slot.
     history = block.layers[1].fp8_meta("fwd").amax_history
-    weight_slot = fwd_slot(0, FwdSlot.WEIGHT)
-    assert history[: MICRO_BATCHES - 1, weight_slot].count_nonzero() == 0
-    assert history[MICRO_BATCHES - 1, weight_slot] > 0
+    weights = history[: STEPS * MICRO_BATCHES, fwd_slot(0, FwdSlot.WEIGHT)]
+    first = torch.arange(STEPS * MICRO_BATCHES) % MICRO_BATCHES == MICRO_BATCHES - 1
+    assert bool(weights[first].gt(0).all()) and weights[~first].count_nonzero() == 0
 
 
 def test_a_later_micro_batch_without_a_cached_weight_casts_and_keeps_it() -> None:
@@ -116,29 +117,22 @@ def test_a_later_micro_batch_without_a_cached_weight_casts_and_keeps_it() -> Non
     assert_state_equal(block, twin)
 
 
-def test_inductor_keeps_the_cached_weights_intact() -> None:
-    # Inductor plans its buffers' memory; the weights it gets from the cache are copies, so
-    # the cache still holds the first micro-batch's bytes after every later graph ran.
+def test_inductor_steps_keep_the_cache_eager_keeps() -> None:
+    # Inductor's numbers are eager's within bounds (it fuses the norms), but the cached FP8
+    # weights are cast from the same weights with the same first scales: after every graph,
+    # the cache holds eager's bytes.
     block, twin = _twins()
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)
-    kept: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
     for m, x in enumerate(_inputs()[0]):
+        outs = []
         for forward in (compiled, twin):
             with fp8state.fp8_autocast():
-                out = forward(x, is_first_microbatch=m == 0)
-            out.pow(2).mean().backward()
-            if forward is compiled:
-                got = out
-        assert sqnr(out, got) > 40
-        if m == 0:
-            kept = {
-                (i, gemm): tuple(None if t is None else t.clone() for t in cached)
-                for i, layer in enumerate(block.layers)
-                for gemm, cached in layer.fp8_weight_cache.items()
-            }
-    for (i, gemm), before in kept.items():
-        assert_same(before, block.layers[i].fp8_weight_cache[gemm])
+                outs.append(forward(x, is_first_microbatch=m == 0))
+            outs[-1].pow(2).mean().backward()
+        assert sqnr(outs[1], outs[0]) > 40
+        for a, b in zip(block.layers, twin.layers, strict=True):
+            assert_same(a.fp8_weight_cache, b.fp8_weight_cache, where=f"micro-batch {m}")
 
 
 @pytest.mark.parametrize("first", [True, False])

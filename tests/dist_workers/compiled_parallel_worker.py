@@ -34,8 +34,8 @@ def _model() -> nn.Module:
 
 def run(rank: int, world: int, store: str, out: str, case: str) -> None:
     """One rank of ``case``: "ddp-outside" (the DDP model compiled, ``fp8_autocast`` around
-    it), "ddp-inside" (a compiled step calling the DDP model, the context inside) or "fsdp2"
-    (each layer compiled, then sharded)."""
+    it), "ddp-inside" (a compiled step calling the DDP model, the context inside), "fsdp2"
+    (each layer compiled, then sharded) or "fsdp2-whole" (the sharded model compiled)."""
     init_gloo(rank, world, store)
     try:
         # A function of its own: DDP models must be freed before the group is destroyed

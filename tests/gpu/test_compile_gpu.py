@@ -6,13 +6,15 @@ eager twin. With ``aot_eager`` the graph runs the eager kernels, so everything m
 for bit; Inductor fuses the norms around the FP8 GEMMs, so there the outputs and scales must
 agree within bounds, the GEMMs must be ``torch._scaled_mm``'s, nothing may recompile after
 the first step, and every step must record its amaxes and update its scales. A step whose
-compiled ``fp8_autocast`` Dynamo breaks up is an eager step, bit for bit.
+compiled ``fp8_autocast`` Dynamo breaks up is an eager step, bit for bit, and so are steps of
+micro-batches that reuse cached FP8 weights.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch._inductor.config as inductor_config
 from torch import nn
 
@@ -161,20 +163,31 @@ def _micro_batch(model: nn.Module, x: torch.Tensor, first: bool) -> torch.Tensor
 
 
 def test_micro_batches_with_cached_weights_match_eager_bit_for_bit() -> None:
-    # As on the CPU (tests/compile/test_compile_microbatches.py): the first micro-batch of
-    # each step casts the weights, the later one reuses the modules' cached FP8 copies.
+    # As on the CPU (tests/compile/test_compile_microbatches.py): steps of two micro-batches,
+    # the first casting the weights, the second reusing the modules' cached FP8 copies, an
+    # SGD step between steps; two graphs (one per value of the argument).
     torch._dynamo.reset()
     compiled, eager = _model(), _model()
     eager.load_state_dict(compiled.state_dict())
     eager[2].fp8_fuse_activation = False
-    step = torch.compile(_micro_batch, fullgraph=True, backend="aot_eager")
-    for i, x in enumerate(_inputs()):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(_micro_batch, fullgraph=True, backend=counter)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (compiled, eager)]
+    for i, x in enumerate(_inputs()[:4]):
+        first = i % 2 == 0
         for model, run in ((compiled, step), (eager, _micro_batch)):
             with fp8state.fp8_autocast():
-                y = run(model, x, i % 2 == 0)  # steps of two micro-batches
+                y = run(model, x, first)
             y.float().pow(2).sum().backward()
+        if not first:  # the end of a step: compare, then change the weights
+            _assert_bit_for_bit(compiled, eager)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
     assert all(module.fp8_weight_cache for module in compiled)
-    _assert_bit_for_bit(compiled, eager)
+    assert counter.frame_count == 2
+    for a, b in zip(compiled.state_dict().values(), eager.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_reduce_overhead_replays_its_cuda_graphs_and_agrees_with_eager(monkeypatch) -> None:

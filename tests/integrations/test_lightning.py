@@ -209,8 +209,8 @@ class _Losses(Callback):
 
 def test_trainer_fits_a_compiled_module_as_eager(tmp_path: Path) -> None:
     # trainer.fit(torch.compile(module)): Lightning unwraps the module, the plugin converts it,
-    # and the training step is compiled (Lightning runs it through the compiled forward);
-    # with aot_eager its steps equal the eager fit's, in one graph.
+    # and Lightning compiles the training step; with aot_eager its steps equal the eager
+    # fit's, in one graph.
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()

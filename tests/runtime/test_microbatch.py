@@ -93,8 +93,8 @@ def test_the_assumption_is_this_threads_and_ends_with_its_block(seed: int) -> No
 
 
 def test_a_compiled_call_refuses_an_assumed_flag(seed: int) -> None:
-    # Compiled calls follow is_first_microbatch only where it is passed to them: inside a
-    # capture with weight caching, a call without it would cast where the graphs promise reuse.
+    # The flag a capture with weight caching assumes never reaches a compiled call: it would
+    # cast where the graphs promise reuse, so it raises.
     layer = fp8state.Linear(H, H)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     x = torch.randn(8, H)
