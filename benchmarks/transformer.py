@@ -69,12 +69,14 @@ class Block(nn.Module):
                 nn.Linear(ffn, hidden, **kw),
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """The layer; ``is_first_microbatch`` goes to fp8state's modules where it is given."""
+        kw = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
         b, t, h = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x, **kw).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
-        return x + self.mlp(x)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h), **kw)
+        return x + self.mlp(x, **kw)
 
 
 def build_model(

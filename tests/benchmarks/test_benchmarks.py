@@ -156,6 +156,14 @@ def test_compiled_modes_benchmark_quick_run(tmp_path) -> None:
     assert result["command"] == "python benchmarks/compiled_modes.py --quick"
 
 
+def test_compiled_microbatches_benchmark_quick_run(tmp_path) -> None:
+    result = _quick_run("compiled_microbatches.py", tmp_path, 600)["microbatch_caching_quick"]
+    for mode in ("eager", "compiled"):
+        assert set(result[mode]) == {"ratio", "every_micro_batch_ms", "cached_ms"}
+        assert all(isinstance(v, float) and v > 0 for v in result[mode].values())
+    assert result["command"] == "python benchmarks/compiled_microbatches.py --quick"
+
+
 def test_profile_step_benchmark_quick_run() -> None:
     stdout = _script("profile_step.py", "--quick", "--top", "5", "--every-gemm-fp8", timeout=600)
     for mode in ("eager", "compiled"):

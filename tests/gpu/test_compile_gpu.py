@@ -19,6 +19,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 import fp8state
+from fp8state._runtime import norm_cast
 from tests._helpers.numerics import sqnr
 
 pytestmark = [
@@ -162,10 +163,14 @@ def _micro_batch(model: nn.Module, x: torch.Tensor, first: bool) -> torch.Tensor
     return x
 
 
-def test_micro_batches_with_cached_weights_match_eager_bit_for_bit() -> None:
+def test_micro_batches_with_cached_weights_match_eager_bit_for_bit(monkeypatch) -> None:
     # As on the CPU (tests/compile/test_compile_microbatches.py): steps of two micro-batches,
     # the first casting the weights, the second reusing the modules' cached FP8 copies, an
-    # SGD step between steps; two graphs (one per value of the argument).
+    # SGD step between steps; two graphs (one per value of the argument). The eager twin
+    # computes its norms as the graph does, with torch's: the casts' fused norm backward
+    # rounds the input gradient otherwise than torch's in the last bits (bf16), and those
+    # bits reach the weights' gradients in some steps.
+    monkeypatch.setattr(norm_cast, "fusable", lambda *args: False)
     torch._dynamo.reset()
     compiled, eager = _model(), _model()
     eager.load_state_dict(compiled.state_dict())
