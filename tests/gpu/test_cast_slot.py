@@ -150,6 +150,59 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     assert col[-1] == float("inf")
 
 
+@pytest.mark.parametrize("op", ["identity", "dgelu"])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_long_column_walks_load_ahead_with_the_same_bits(op, transpose) -> None:
+    """A column-sum program walking many row blocks loads its tiles ahead (the kernel's
+    ``STAGES``); the same launch with loading ahead off gives the same bits everywhere."""
+    from fp8state._kernels import cast_launch
+
+    (m, n), config = (4096, 200), (32, 64, 4, 2)  # 64 row blocks per program
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(m, n, device="cuda", generator=gen) * 5).to(torch.bfloat16)
+    h = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+    aux = h if op == "dgelu" else None
+
+    def cast() -> list[torch.Tensor]:
+        hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 3))
+        out = cast_launch._launch(
+            x,
+            scale,
+            scale_inv,
+            hist,
+            1,
+            3,
+            torch.float8_e5m2,
+            transpose,
+            snapshot=True,
+            new_step=True,
+            column_sums=True,
+            op=op,
+            aux=aux,
+            config=config,
+        )
+        kept = [t for t in (*out, hist) if t is not None]
+        return [t.view(torch.uint8) if t.element_size() == 1 else t for t in kept]
+
+    def stages() -> int | None:
+        return cast_launch._plan(m, n, transpose, 3, op, True, config)[7]
+
+    assert stages() == 3
+    ahead = cast()
+    saved = cast_launch.PIPELINE_FROM_BLOCKS
+    try:
+        cast_launch.PIPELINE_FROM_BLOCKS = 10**9
+        cast_launch._plan.cache_clear()
+        assert stages() is None
+        plain = cast()
+    finally:
+        cast_launch.PIPELINE_FROM_BLOCKS = saved
+        cast_launch._plan.cache_clear()
+    assert len(ahead) == len(plain) == (5 if transpose else 4)
+    for got, want in zip(ahead, plain, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_repeated_launches_reuse_scratch() -> None:
     """Every new-step launch leaves its scratch zeroed, so the next one starts clean."""
     hist = torch.zeros(8, 3, device="cuda")

@@ -1,0 +1,99 @@
+"""The cast kernel's PTX for sm_90, compiled without a GPU: to check that two sources agree.
+
+Usage (Triton installed; no GPU needed)::
+
+    python benchmarks/cast_ptx.py [--source DIR] [--stages none|3|absent]
+
+Compiles :func:`fp8state._kernels.triton_cast.cast_kernel` from ``--source`` (a directory
+holding an ``fp8state`` package; default: this checkout) for compute capability 9.0, for a
+few launch kinds of the 16-layer model's step (GELU's gradient and an output gradient with
+column sums, a weight's cast with its transposed copy, GELU's cast), with pointers and sizes
+specialized as the launcher specializes them (16-byte aligned, multiples of 16) and line
+information off, and prints a hash of each PTX and how many asynchronous copy groups it
+commits (loads issued ahead). ``--stages`` is the kernel's ``STAGES`` argument (``absent``
+for a kernel from before it had one). Equal hashes mean the same machine code: a change
+that keeps them is tested by whatever tested the other source on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+_POINTERS = {
+    "x_ptr": "*bf16",
+    "aux_ptr": "*bf16",
+    "out_ptr": "*fp8e5",
+    "out_t_ptr": "*fp8e5",
+    "scale_ptr": "*fp32",
+    "inv_ptr": "*fp32",
+    "inv_out_ptr": "*fp32",
+    "hist_ptr": "*fp32",
+    "scratch_ptr": "*i32",
+    "sums_ptr": "*fp32",
+    "partial_ptr": "*fp32",
+    "count_ptr": "*i32",
+}
+_SCALARS = {n: "i32" for n in ("slot", "n_slots", "hist_rows", "M", "N", "span", "grid_m")}
+_SCALARS["fp8_max"] = "fp32"
+_ALIGNED = [*_POINTERS, "M", "N", "span"]  # what the launcher's key finds 16-aligned here
+_COMMON = {"SNAPSHOT": True, "SLOTS": 2, "CHUNK": 1024, "CLAMP": False}
+# (constexprs, warps) per launch kind: default_config's blocks for these casts.
+CASES = {
+    "dgelu_column_sums": ({"BLOCK_M": 32, "BLOCK_N": 128, "TRANSPOSE": False, "SHIFT": False,
+                           "COLSUM": True, "SPLIT_ROWS": True, "OP": 2}, 8),
+    "gradient_transposed_sums_opening": ({"BLOCK_M": 64, "BLOCK_N": 64, "TRANSPOSE": True,
+                                          "SHIFT": True, "COLSUM": True, "SPLIT_ROWS": True,
+                                          "OP": 0}, 4),
+    "weight_transposed": ({"BLOCK_M": 64, "BLOCK_N": 128, "TRANSPOSE": True, "SHIFT": False,
+                           "COLSUM": False, "SPLIT_ROWS": False, "OP": 0}, 4),
+    "gelu_opening": ({"BLOCK_M": 8, "BLOCK_N": 256, "TRANSPOSE": False, "SHIFT": True,
+                      "COLSUM": False, "SPLIT_ROWS": False, "OP": 1}, 8),
+}  # fmt: skip
+
+
+def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
+    """``{case: (PTX hash, async copy groups committed)}`` of ``source``'s cast kernel."""
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # paths and lines are not machine code
+    sys.path.insert(0, str(source))
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = importlib.import_module("fp8state._kernels.triton_cast")
+    if not Path(module.__file__ or "").resolve().is_relative_to(source.resolve()):
+        raise SystemExit(f"imported {module.__file__}, not the kernel under {source}")
+    kernel = module.cast_kernel
+    names = kernel.arg_names
+    signature = {n: _POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
+    digests = {}
+    for case, (constexprs, warps) in CASES.items():
+        constexprs = {**_COMMON, **constexprs}
+        if stages != "absent":
+            constexprs["STAGES"] = None if stages == "none" else int(stages)
+        compiled = triton_compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps},
+        )
+        ptx = compiled.asm["ptx"]
+        digests[case] = (hashlib.sha1(ptx.encode()).hexdigest()[:16], ptx.count("cp.async.commit"))
+    return digests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--stages", default="none", choices=["none", "3", "absent"])
+    args = parser.parse_args()
+    print(json.dumps(ptx_digests(args.source, args.stages), indent=1))
+
+
+if __name__ == "__main__":
+    main()
