@@ -7,9 +7,9 @@ Usage (Triton installed; no GPU needed)::
 Compiles :func:`fp8state._kernels.triton_cast.cast_kernel` from ``--source`` (a directory
 holding an ``fp8state`` package; default: this checkout) for compute capability 9.0, for a
 few launch kinds of the 16-layer model's step (GELU's gradient and an output gradient with
-column sums, a weight's cast with its transposed copy, GELU's cast), with pointers and sizes
-specialized as the launcher specializes them (16-byte aligned, multiples of 16) and line
-information off, and prints a hash of each PTX and how many asynchronous copy groups it
+column sums, a weight's cast with its transposed copy, GELU's cast) at the source's own
+default blocks (its ``default_config``), with pointers and sizes specialized as the launcher
+specializes them (16-byte aligned, multiples of 16) and line information off, and prints a hash of each PTX and how many asynchronous copy groups it
 commits (loads issued ahead). ``--stages`` is the kernel's ``STAGES`` argument (``absent``
 for a kernel from before it had one). Equal hashes mean the same machine code: a change
 that keeps them is tested by whatever tested the other source on a GPU.
@@ -43,18 +43,14 @@ _SCALARS = {n: "i32" for n in ("slot", "n_slots", "hist_rows", "M", "N", "span",
 _SCALARS["fp8_max"] = "fp32"
 _ALIGNED = [*_POINTERS, "M", "N", "span"]  # what the launcher's key finds 16-aligned here
 _COMMON = {"SNAPSHOT": True, "SLOTS": 2, "CHUNK": 1024, "CLAMP": False}
-# (constexprs, warps) per launch kind: default_config's blocks for these casts.
+# (rows, cols, transpose, op, column sums, opens a step) per launch kind of the model's step;
+# the blocks and warps are the source's own default_config for them.
 CASES = {
-    "dgelu_column_sums": ({"BLOCK_M": 32, "BLOCK_N": 128, "TRANSPOSE": False, "SHIFT": False,
-                           "COLSUM": True, "SPLIT_ROWS": True, "OP": 2}, 8),
-    "gradient_transposed_sums_opening": ({"BLOCK_M": 64, "BLOCK_N": 64, "TRANSPOSE": True,
-                                          "SHIFT": True, "COLSUM": True, "SPLIT_ROWS": True,
-                                          "OP": 0}, 4),
-    "weight_transposed": ({"BLOCK_M": 64, "BLOCK_N": 128, "TRANSPOSE": True, "SHIFT": False,
-                           "COLSUM": False, "SPLIT_ROWS": False, "OP": 0}, 4),
-    "gelu_opening": ({"BLOCK_M": 8, "BLOCK_N": 256, "TRANSPOSE": False, "SHIFT": True,
-                      "COLSUM": False, "SPLIT_ROWS": False, "OP": 1}, 8),
-}  # fmt: skip
+    "dgelu_column_sums": (2048, 8192, False, "dgelu", True, False),
+    "gradient_transposed_sums_opening": (2048, 2048, True, "identity", True, True),
+    "weight_transposed": (6144, 2048, True, "identity", False, False),
+    "gelu_opening": (2048, 8192, False, "gelu", False, True),
+}
 
 
 def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
@@ -68,13 +64,24 @@ def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
     module = importlib.import_module("fp8state._kernels.triton_cast")
     if not Path(module.__file__ or "").resolve().is_relative_to(source.resolve()):
         raise SystemExit(f"imported {module.__file__}, not the kernel under {source}")
+    default_config = importlib.import_module("fp8state._kernels.cast_launch").default_config
     kernel = module.cast_kernel
     names = kernel.arg_names
     signature = {n: _POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
     digests = {}
-    for case, (constexprs, warps) in CASES.items():
-        constexprs = {**_COMMON, **constexprs}
+    for case, (rows, cols, transpose, op, sums, opens) in CASES.items():
+        block_m, block_n, warps, _ = default_config(rows, cols, transpose, op, sums)
+        constexprs = {
+            **_COMMON,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "TRANSPOSE": transpose,
+            "SHIFT": opens,
+            "COLSUM": sums,
+            "SPLIT_ROWS": sums,  # several programs per column tile at these shapes
+            "OP": module.OPS[op],
+        }
         if stages != "absent":
             constexprs["STAGES"] = None if stages == "none" else int(stages)
         compiled = triton_compile(
