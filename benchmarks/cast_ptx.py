@@ -9,10 +9,11 @@ holding an ``fp8state`` package; default: this checkout) for compute capability 
 few launch kinds of the 16-layer model's step (GELU's gradient and an output gradient with
 column sums, a weight's cast with its transposed copy, GELU's cast) at the source's own
 default blocks (its ``default_config``), with pointers and sizes specialized as the launcher
-specializes them (16-byte aligned, multiples of 16) and line information off, and prints a hash of each PTX and how many asynchronous copy groups it
-commits (loads issued ahead). ``--stages`` is the kernel's ``STAGES`` argument (``absent``
-for a kernel from before it had one). Equal hashes mean the same machine code: a change
-that keeps them is tested by whatever tested the other source on a GPU.
+specializes them (16-byte aligned, multiples of 16) and line information off. Prints a hash
+of each PTX and how many asynchronous copy groups it commits (loads issued ahead).
+``--stages`` is the kernel's ``STAGES`` argument (``absent`` for a kernel from before it had
+one). Equal hashes mean the same machine code: a change that keeps them is tested by
+whatever tested the other source on a GPU.
 """
 
 from __future__ import annotations
