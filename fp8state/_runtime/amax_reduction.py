@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fp8state._runtime.buffers import buffer_name
-from fp8state._runtime.friend import FP8Friend
+from fp8state._runtime.friend import FP8Friend, close_steps
 from fp8state._runtime.generation import buffer_generation
 from fp8state._runtime.scale_update import update_direction_
 from fp8state._runtime.slot_cast import kernels_available
@@ -154,8 +154,7 @@ def _update_concatenated(
     sizes = [m.scale.numel() for m in metas]
     torch._foreach_copy_([m.scale for m in metas], list(together.scale.split(sizes)))
     torch._foreach_copy_([m.scale_inv for m in metas], list(together.scale_inv.split(sizes)))
-    for module in modules:
-        module._fp8_close_step(direction)
+    close_steps(modules, direction)
 
 
 def _update_batched(
@@ -188,5 +187,4 @@ def _update_batched(
         fp8_max=recipe.fp8_format.max(direction),
         margin=recipe.margin,
     )
-    for module in members.values():
-        module._fp8_close_step(direction)
+    close_steps(members.values(), direction)

@@ -9,7 +9,7 @@ the mixin, uses the same ``_fp8_*`` methods. Users need none of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -18,7 +18,7 @@ from fp8state.recipe import DelayedScaling
 from fp8state.schema import DirectionState
 from fp8state.slots import DIRECTIONS, Direction
 
-__all__ = ["CachedWeight", "FP8Friend", "StepBookkeeping", "set_plain_attr"]
+__all__ = ["CachedWeight", "FP8Friend", "StepBookkeeping", "close_steps", "set_plain_attr"]
 
 #: A cached FP8 weight (``is_first_microbatch``): the FP8 copy, its transpose (None where it
 #: was cast without one) and its inverse scale.
@@ -109,15 +109,13 @@ class StepBookkeeping:
     def _fp8_mutation_count(self) -> int:
         return self._fp8_mutations
 
-    # These two run per cast and, for every module, at each step's end: they write the instance
-    # dict themselves, with no nested call (set_plain_attr says why the dict is the same).
+    # Runs per cast: it writes the instance dict itself, with no nested call (set_plain_attr
+    # says why the dict is the same); close_steps does the same for the end of a step.
     def _fp8_touch(self) -> None:
         self.__dict__["_fp8_mutations"] += 1
 
     def _fp8_close_step(self, direction: Direction) -> None:
-        state = self.__dict__
-        state["_fp8_new_step"][direction] = True
-        state["_fp8_mutations"] += 1
+        close_steps((self,), direction)
 
     def _fp8_continue_step(self, direction: Direction) -> None:
         """The next record max-combines into row 0 instead of opening a new step."""
@@ -136,3 +134,16 @@ class StepBookkeeping:
     def _fp8_reset_steps(self) -> None:
         set_plain_attr(self, "_fp8_new_step", {d: True for d in DIRECTIONS})
         self.fp8_weight_cache.clear()  # FP8 weights were cast with the old scales
+
+
+def close_steps(modules: Iterable[object], direction: Direction) -> None:
+    """``_fp8_close_step(direction)`` of every module, in one loop without a call per module.
+
+    The end of a step closes every module that recorded in it (thousands in a large model), so
+    the loop writes each instance dict itself: a method call per module doubled the host time
+    of a 1000-module scale update's bookkeeping. ``modules`` are :class:`StepBookkeeping`'s.
+    """
+    for module in modules:
+        state = module.__dict__
+        state["_fp8_new_step"][direction] = True
+        state["_fp8_mutations"] += 1

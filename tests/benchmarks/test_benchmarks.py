@@ -209,6 +209,20 @@ def test_fallback_probe_host_mode_runs_on_cpu() -> None:
     assert all(float(us.removesuffix(" us")) > 0 for us in rows.values())
 
 
+def test_scale_update_host_benchmark_runs_on_cpu() -> None:
+    stdout = _script(
+        "scale_update_host.py",
+        *("--device", "cpu", "--modules", "6", "--iters", "3", "--rounds", "2"),
+        timeout=300,
+    )
+    header, *rounds = stdout.strip().splitlines()
+    assert "6 modules on cpu" in header and len(rounds) == 2
+    for line in rounds:  # no pointer table and no GPU timing off CUDA
+        result = json.loads(line)
+        assert set(result) == {"synchronized_ms", "host_ms_back_to_back", "close_steps_ms"}
+        assert all(v > 0 for v in result.values())
+
+
 def test_dcp_metadata_read_benchmark_runs() -> None:
     stdout = _script("dcp_metadata_read.py", "--entries", "20", "--rounds", "1", timeout=300)
     result = json.loads(stdout)
