@@ -10,6 +10,9 @@ them for one fwd+bwd of ``transformer.py``'s model: fp8state's layers marked
 beforehand) and ``torch.nn``'s in bf16. Per model: kernels launched, their summed GPU time,
 and the kernels by summed time (torch.profiler, CUDA activity), with their counts.
 ``--norm RMSNorm`` builds all three with RMSNorm in place of LayerNorm (as Llama's layers).
+``--launches TEXT`` also prints, per model, every launch of the kernels whose name holds
+TEXT, in launch order, in microseconds: where the same kernel costs one model more than
+another (e.g. ``--launches CUDAFunctor_add``, the gradients added into ``.grad``).
 """
 
 from __future__ import annotations
@@ -24,20 +27,30 @@ from torch.profiler import ProfilerActivity, profile
 from transformer import MODEL, build_model, make_step, mark_graphed
 
 
-def kernel_times(step: Callable[[], None]) -> dict[str, tuple[int, float]]:
-    """``{kernel name: (launches, summed GPU microseconds)}`` over one call of ``step``."""
+def kernel_launches(step: Callable[[], None]) -> list[tuple[str, float]]:
+    """``(kernel name, GPU microseconds)`` of every launch of one call of ``step``, in order."""
     for _ in range(3):  # warm: compile and autotune outside the profile
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return [(e.name, e.device_time) for e in sorted(events, key=lambda e: e.time_range.start)]
+
+
+def kernel_times(step: Callable[[], None]) -> dict[str, tuple[int, float]]:
+    """``{kernel name: (launches, summed GPU microseconds)}`` over one call of ``step``."""
+    return tally(kernel_launches(step))
+
+
+def tally(launches: list[tuple[str, float]]) -> dict[str, tuple[int, float]]:
+    """``{kernel name: (launches, summed GPU microseconds)}`` of ``launches``."""
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type.name == "CUDA":
-            row = table[event.name[:70]]
-            row[0] += 1
-            row[1] += event.device_time
+    for name, us in launches:
+        row = table[name[:70]]
+        row[0] += 1
+        row[1] += us
     return {name: (int(n), us) for name, (n, us) in table.items()}
 
 
@@ -56,6 +69,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--norm", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    parser.add_argument("--launches", default=None, metavar="TEXT")
     args = parser.parse_args()
     device = torch.device("cuda")
     x = torch.randn(args.batch, args.tokens, MODEL["hidden"], device=device, dtype=torch.bfloat16)
@@ -71,7 +85,12 @@ def main() -> None:
         "bf16": make_step(build_model(False, device, norm=args.norm), x, grad, False),
     }
     for name, step in steps.items():
-        report(name, kernel_times(step), args.top)
+        launches = kernel_launches(step)
+        report(name, tally(launches), args.top)
+        if args.launches is not None:
+            picked = [f"{us:.1f}" for kernel, us in launches if args.launches in kernel]
+            print(f"  {len(picked)} launches holding {args.launches!r}, in order (us):")
+            print("  " + " ".join(picked))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ The ``scale_update_ms`` row of ``hopper.py`` times :func:`reduce_and_update` for
 ``Linear`` modules with a synchronization around each call. On CUDA that is one kernel
 launch reading a cached pointer table, and host work per module: the table's check that no
 buffer moved (``still_valid``) and closing each module's step. This script prints that row's
-figure beside its parts: milliseconds per call synchronized (median), on the host with calls
-back to back, on the GPU with calls queued behind a sleep kernel, and the parts alone (a
-JSON line per round). On
-another device (``--device cpu``, which tests the script) the update is the concatenated
-tensor path and there is no pointer table.
+figure beside its parts, a JSON line per round: milliseconds per call synchronized (median),
+on the host with calls back to back, on the GPU with calls queued behind a sleep kernel, and
+the parts alone. On another device (``--device cpu``, which tests the script) the update is
+the concatenated tensor path and there is no pointer table.
 
 Run it on a copy of older code (``PYTHONPATH=<copy>``) to compare: where that code has no
 ``close_steps``, the modules' own ``_fp8_close_step`` is timed instead.
