@@ -7,6 +7,7 @@ runs the pure functions (history shift, quantize, amax record, scale_inv copy).
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,20 @@ def _buffers(rows: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
     scale = torch.rand(n, generator=gen) * 4 + 0.5
     scale_inv = 1 / scale
     return hist, scale, scale_inv
+
+
+def _fresh_launch(
+    x: torch.Tensor, seed: int, fp8_dtype: torch.dtype, transpose: bool, **options: Any
+) -> tuple[torch.Tensor | None, ...]:
+    """``cast_launch._launch`` of ``x`` into slot 1 of fresh metadata (3 slots, 5 history
+    rows), with a snapshot: its outputs, then the history."""
+    from fp8state._kernels import cast_launch
+
+    hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, seed))
+    out = cast_launch._launch(
+        x, scale, scale_inv, hist, 1, 3, fp8_dtype, transpose, snapshot=True, **options
+    )
+    return (*out, hist)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 17, 1024, 3000])
@@ -110,31 +125,23 @@ def test_column_sum_programs_cast_like_the_others(shape, config, new_step, trans
     copy, its transpose, the history and the snapshot equal those of the cast without sums.
     The last program of each column tile adds the partial rows up in the kernel.
     """
-    from fp8state._kernels import cast_launch
-
     gen = torch.Generator(device="cuda").manual_seed(shape[0])
     x = (torch.randn(*shape, device="cuda", generator=gen) * 7).to(torch.bfloat16)
     x.view(-1)[-1] = float("inf")  # not part of the amax, saturated in the copy
     results = []
     for sums in (True, False):
-        hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 2))
-        out = cast_launch._launch(
+        out = _fresh_launch(
             x,
-            scale,
-            scale_inv,
-            hist,
-            1,
-            3,
+            2,
             torch.float8_e4m3fn,
             transpose,
-            snapshot=True,
             new_step=new_step,
             column_sums=sums,
             op="identity",
             aux=None,
             config=config if sums else None,
         )
-        results.append((*out, hist))
+        results.append(out)
     (fp8, fp8_t, snap, col, hist), (ref, ref_t, ref_snap, none, ref_hist) = results
     assert none is None and torch.equal(fp8.view(torch.uint8), ref.view(torch.uint8))
     if transpose:
@@ -164,24 +171,18 @@ def test_long_column_walks_load_ahead_with_the_same_bits(op, transpose) -> None:
     aux = h if op == "dgelu" else None
 
     def cast() -> list[torch.Tensor]:
-        hist, scale, scale_inv = (t.cuda() for t in _buffers(5, 3, 3))
-        out = cast_launch._launch(
+        out = _fresh_launch(
             x,
-            scale,
-            scale_inv,
-            hist,
-            1,
             3,
             torch.float8_e5m2,
             transpose,
-            snapshot=True,
             new_step=True,
             column_sums=True,
             op=op,
             aux=aux,
             config=config,
         )
-        kept = [t for t in (*out, hist) if t is not None]
+        kept = [t for t in out if t is not None]
         return [t.view(torch.uint8) if t.element_size() == 1 else t for t in kept]
 
     def stages() -> int | None:
