@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -207,6 +208,25 @@ def test_fallback_probe_host_mode_runs_on_cpu() -> None:
         "fp8state.Linear fallback step",
     }
     assert all(float(us.removesuffix(" us")) > 0 for us in rows.values())
+
+
+def test_byte_floor_counts_every_cast_and_filters_on_fp8states_kernels() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the script runs
+    try:
+        from byte_floor import OWN_KERNELS, layer_bytes
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    t, h, f = 2048, 1024, 4096
+    counted = layer_bytes(t, h, f)
+    # Nine casts of bf16 operands into both FP8 layouts (4 bytes an element), GELU's derivative
+    # (a second bf16 input: 6), two norms' backward (two bf16 inputs, one bf16 output: 6).
+    assert len(counted) == 14
+    assert sum(counted.values()) == 44 * t * h + 16 * h * h + 8 * f * h + 10 * t * f
+    # The profile keeps launches by these names: each must be a Triton kernel of fp8state's.
+    kernels: set[str] = set()
+    for path in (REPO_ROOT / "fp8state" / "_kernels").glob("*.py"):
+        kernels |= set(re.findall(r"@triton\.jit[^\n]*\ndef (\w+)", path.read_text()))
+    assert set(OWN_KERNELS) <= kernels
 
 
 def test_scale_update_host_benchmark_runs_on_cpu() -> None:
