@@ -218,8 +218,8 @@ def test_byte_floor_counts_every_cast_and_filters_on_fp8states_kernels() -> None
         sys.path.remove(str(REPO_ROOT / "benchmarks"))
     t, h, f = 2048, 1024, 4096
     counted = layer_bytes(t, h, f)
-    # Nine casts of bf16 operands into both FP8 layouts (4 bytes an element), GELU's derivative
-    # (a second bf16 input: 6), two norms' backward (two bf16 inputs, one bf16 output: 6).
+    # Eleven casts of a bf16 operand into both FP8 layouts (4 bytes an element), GELU's
+    # derivative (a second bf16 input: 6), two norms' backward (two bf16 inputs, one output: 6).
     assert len(counted) == 14
     assert sum(counted.values()) == 44 * t * h + 16 * h * h + 8 * f * h + 10 * t * f
     # The profile keeps launches by these names: each must be a Triton kernel of fp8state's.
