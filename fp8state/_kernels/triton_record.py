@@ -45,9 +45,9 @@ def record_amax(amax, scratch_ptr, hist_ptr, slot, SHIFT: tl.constexpr):
     else:
         # Relaxed: nothing in this launch reads row 0, and the launch's end orders it before
         # any later reader. The default (acq_rel) fences every program's end behind its
-        # stores: 0.5-1 us more per cast on an H100 (6.2-6.5 against 5.3-5.5 us at 2048x2048,
-        # benchmarks/model_casts.py). The scratch maximum above keeps the default, as the
-        # last program to count itself done reads it.
+        # stores: 0.55-1.15 us more per cast at 2048 tokens on an H100 (6.2-6.5 against
+        # 5.3-5.5 us at 2048x2048, benchmarks/model_casts.py). The scratch maximum above
+        # keeps the default, as the last program to count itself done reads it.
         tl.atomic_max(hist_ptr + slot, amax, sem="relaxed")
 
 
