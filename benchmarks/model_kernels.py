@@ -1,7 +1,7 @@
 """Where the GPU time of one step of the 16-layer model goes: fp8state, the floor and bf16.
 
 Usage (CUDA): ``python benchmarks/model_kernels.py [--batch 1] [--tokens 2048] [--top 25]
-[--norm RMSNorm]``.
+[--norm RMSNorm] [--launches TEXT] [--captured]``.
 
 With the host out of the step (CUDA graphs), a step costs the sum of its kernels. This lists
 them for one fwd+bwd of ``transformer.py``'s model: fp8state's layers marked
@@ -13,6 +13,9 @@ and the kernels by summed time (torch.profiler, CUDA activity), with their count
 ``--launches TEXT`` also prints, per model, every launch of the kernels whose name holds
 TEXT, in launch order, in microseconds: where the same kernel costs one model more than
 another (e.g. ``--launches CUDAFunctor_add``, the gradients added into ``.grad``).
+``--captured`` profiles a replay of each step captured whole in one CUDA graph
+(``training_loop.graphed``, as the graphed benchmark runs it) instead of an eager step: the
+graph's own kernels, with whatever its capture added (buffers zeroed at every replay).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 import torch
 from host_floor import floor_model_step  # benchmarks/ is on sys.path as a script
 from torch.profiler import ProfilerActivity, profile
+from training_loop import graphed
 from transformer import MODEL, build_model, make_step, mark_graphed
 
 
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--norm", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     parser.add_argument("--launches", default=None, metavar="TEXT")
+    parser.add_argument("--captured", action="store_true", help="profile graph replays")
     args = parser.parse_args()
     device = torch.device("cuda")
     x = torch.randn(args.batch, args.tokens, MODEL["hidden"], device=device, dtype=torch.bfloat16)
@@ -85,7 +90,7 @@ def main() -> None:
         "bf16": make_step(build_model(False, device, norm=args.norm), x, grad, False),
     }
     for name, step in steps.items():
-        launches = kernel_launches(step)
+        launches = kernel_launches(graphed(step) if args.captured else step)
         report(name, tally(launches), args.top)
         if args.launches is not None:
             picked = [f"{us:.1f}" for kernel, us in launches if args.launches in kernel]

@@ -1,7 +1,7 @@
 """The host side of the one-pass FP8 cast: block shapes, scratch buffers and the launch.
 
 The kernel itself is :mod:`fp8state._kernels.triton_cast`; this file picks its configuration
-for a tensor's shape (:func:`default_config`), keeps its per-stream scratch, and launches it
+for a tensor's shape (:func:`default_config`), and launches it
 through the fast launcher (:func:`cast_transpose_amax`, :func:`cast_slot`).
 """
 
@@ -13,10 +13,11 @@ from typing import Any
 import torch
 import triton
 
-from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned, raw_stream
+from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned
+from fp8state._kernels.scratch import partial_rows, scratch_pair, tile_counts
 from fp8state._kernels.triton_cast import OPS, cast_kernel
 
-__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "history_blocks", "scratch_pair"]
+__all__ = ["cast_transpose_amax", "cast_slot", "default_config", "history_blocks"]
 
 
 def default_config(
@@ -195,57 +196,10 @@ def cast_slot(
     )
 
 
-# One int32 pair (amax bits, programs done) per device and stream: launches on one stream run
-# one after another, and each launch leaves its pair zeroed for the next. A launch being
-# captured into a CUDA graph gets a pair of its own (see scratch_pair).
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}
 _LAUNCHER = FastLauncher(cast_kernel)
 _FP8_MAX = {
     dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 }
-
-
-def _stream_key(device: torch.device) -> tuple[int, int]:
-    """``(device index, current stream)``: launches under one key run one after another."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return index, raw_stream(index)
-
-
-def scratch_pair(device: torch.device) -> torch.Tensor:
-    """The int32 (amax bits, programs done) pair a launch that opens a step gathers in."""
-    if torch.cuda.is_current_stream_capturing():
-        # A graph replays on whatever stream it is given, maybe beside eager launches that
-        # share this stream's pair: its own pair, zeroed by the graph at each replay.
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = _stream_key(device)
-    pair = _SCRATCH.get(key)
-    if pair is None:
-        pair = _SCRATCH[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return pair
-
-
-# Per device and stream: float32 room for the column sums' partial rows and one int32 counter
-# per column tile (each launch leaves its counters zeroed). A launch being captured into a
-# CUDA graph gets buffers of its own instead: replays keep the addresses they captured.
-_SUMS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _sum_scratch(
-    device: torch.device, floats: int, tiles: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.cuda.is_current_stream_capturing():
-        return (
-            torch.empty(floats, dtype=torch.float32, device=device),
-            torch.zeros(tiles, dtype=torch.int32, device=device),
-        )
-    key = _stream_key(device)
-    partial, counts = _SUMS.get(key) or (None, None)
-    if partial is None or partial.numel() < floats:
-        partial = torch.empty(floats, dtype=torch.float32, device=device)
-    if counts is None or counts.numel() < tiles:
-        counts = torch.zeros(tiles, dtype=torch.int32, device=device)
-    _SUMS[key] = partial, counts
-    return partial, counts
 
 
 def history_blocks(n_slots: int) -> tuple[int, int]:
@@ -321,13 +275,16 @@ def _launch(
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     out_t = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else out
     inv_out = torch.empty(1, dtype=torch.float32, device=device) if snapshot else scale
-    scratch = scratch_pair(device) if new_step else scale
+    scratch = scratch_pair(history) if new_step else scale
     split_rows = column_sums and grid[0] > 1
     if column_sums:  # as Tensor.sum: the input's dtype, or float32 for a computed value
         sums = torch.empty(
             n, dtype=x_2d.dtype if op == "identity" else torch.float32, device=device
         )
-        partial, counts = _sum_scratch(device, grid[0] * n, grid[1]) if split_rows else (sums, sums)
+        if split_rows:
+            partial, counts = partial_rows(device, grid[0] * n), tile_counts(history, grid[1])
+        else:
+            partial = counts = sums
     else:
         sums = partial = counts = scale
     rows = history.shape[0] if history.dim() == 2 else 1

@@ -20,8 +20,9 @@ import functools
 import torch
 import triton
 
-from fp8state._kernels.cast_launch import history_blocks, scratch_pair
+from fp8state._kernels.cast_launch import history_blocks
 from fp8state._kernels.launch import FastLauncher, int_spec, ptr_aligned
+from fp8state._kernels.scratch import scratch_pair
 from fp8state._kernels.triton_norm_backward import norm_backward_kernel, param_grads_kernel
 from fp8state._kernels.triton_norm_cast import norm_cast_kernel
 
@@ -86,7 +87,7 @@ def norm_cast_slot(
     inv_out = torch.empty(1, dtype=torch.float32, device=device)
     rstd = torch.empty((m, 1), dtype=torch.float32, device=device)
     mean = None if rms else torch.empty((m, 1), dtype=torch.float32, device=device)
-    scratch = scratch_pair(device) if new_step else scale
+    scratch = scratch_pair(history) if new_step else scale
     has_bias = bias is not None
     bias_t = bias if bias is not None else weight
     slots_block, chunk = history_blocks(history.shape[-1])

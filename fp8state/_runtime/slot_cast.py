@@ -173,7 +173,7 @@ def cast_slot(
         and scale.is_contiguous()
         and scale_inv.is_contiguous()
     )
-    # The kernel shifts in-launch (a captured launch too, with a scratch pair of its own);
+    # The kernel shifts in-launch (a captured launch too, with the history's scratch pair);
     # the reference path shifts with plain tensor ops first.
     if new_step and not kernel:
         history.copy_(shift_history(history))

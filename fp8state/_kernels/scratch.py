@@ -1,0 +1,76 @@
+"""The zeroed and scratch buffers the cast kernels gather in, kept between launches.
+
+A launch that opens a step gathers its programs' amaxes in an int32 pair; one whose column
+sums split the rows adds partial rows and counts each column tile's finished programs
+(:mod:`fp8state._kernels.triton_record`, :mod:`fp8state._kernels.triton_cast`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8state._kernels.launch import raw_stream
+
+__all__ = ["partial_rows", "scratch_pair", "tile_counts"]
+
+# The zeroed int32 buffers a launch gathers in (a step-opening launch's pair, a row-split column
+# sum's tile counters) are kept per history, by its address. Every launch leaves them zeroed
+# for the next, and the launches that record into one history run one after another, on
+# whatever stream (the history itself needs that). So a CUDA graph captured after warm-up
+# launches finds them made and zeroes nothing: buffers kept per stream could not go into a
+# graph, which replays on any stream, and a graph's own buffers were zeroed by kernels of
+# their own at every replay (some 160 in a graphed step of benchmarks/transformer.py's model
+# at 2048 tokens). Entries stay: a graph keeps the addresses it captured, and a history's
+# memory, once freed, passes its zeroed buffers on to the next history that takes it.
+_PAIRS: dict[int, torch.Tensor] = {}
+_COUNTS: dict[tuple[int, int], torch.Tensor] = {}
+# Pairs are cut from zeroed slabs (one allocation and one zeroing per this many), each padded
+# to 16 bytes: Triton specializes pointers on 16-byte alignment, and the launch key assumes it.
+_SLAB_PAIRS = 1024
+_PAIR_INTS = 4
+_SLABS: dict[torch.device, tuple[torch.Tensor, int]] = {}
+
+
+def _stream_key(device: torch.device) -> tuple[int, int]:
+    """``(device index, current stream)``: launches under one key run one after another."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, raw_stream(index)
+
+
+def scratch_pair(history: torch.Tensor) -> torch.Tensor:
+    """The zeroed int32 (amax bits, programs done) pair ``history``'s opening launches use."""
+    pair = _PAIRS.get(history.data_ptr())
+    if pair is None:
+        slab, used = _SLABS.get(history.device, (None, _SLAB_PAIRS))
+        if slab is None or used == _SLAB_PAIRS:  # the first pair on this device, or slab full
+            slab = torch.zeros(_SLAB_PAIRS, _PAIR_INTS, dtype=torch.int32, device=history.device)
+            used = 0
+        _SLABS[history.device] = slab, used + 1
+        pair = _PAIRS[history.data_ptr()] = slab[used]
+    return pair
+
+
+def tile_counts(history: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The zeroed int32 counters, one per column tile, of a row-split column sum."""
+    key = (history.data_ptr(), tiles)
+    counts = _COUNTS.get(key)
+    if counts is None:
+        counts = _COUNTS[key] = torch.zeros(tiles, dtype=torch.int32, device=history.device)
+    return counts
+
+
+# Per device and stream: float32 room for the column sums' partial rows, written before they
+# are read in each launch. A launch being captured into a CUDA graph gets its own instead
+# (allocated, not zeroed): replays keep the addresses they captured.
+_PARTIALS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def partial_rows(device: torch.device, floats: int) -> torch.Tensor:
+    """At least ``floats`` float32 for a row-split column sum's partial rows (not zeroed)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(floats, dtype=torch.float32, device=device)
+    key = _stream_key(device)
+    partial = _PARTIALS.get(key)
+    if partial is None or partial.numel() < floats:
+        partial = _PARTIALS[key] = torch.empty(floats, dtype=torch.float32, device=device)
+    return partial
