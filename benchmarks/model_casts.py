@@ -1,6 +1,6 @@
 """The FP8 casts of one layer of the 16-layer model, kernel by kernel, at their default blocks.
 
-Usage (CUDA + Triton): ``python benchmarks/model_casts.py [--tokens 2048 8192]``.
+Usage (CUDA + Triton): ``python benchmarks/model_casts.py [--tokens 2048 8192] [--opening]``.
 
 ``transformer.py``'s layer (hidden 2048, ffn 8192; ``LayerNormLinear`` qkv, ``Linear``
 projection, ``LayerNormMLP``) casts, per step and ``T`` tokens: three activations of ``T x
@@ -10,7 +10,9 @@ gradient with column sums (then a byte transpose). This times each such launch a
 events, back to back, :func:`hopper.kernel_ms`) with the block shapes
 :func:`fp8state._kernels.cast_launch.default_config` picks, and prints the bytes it moves per
 second and the layer's and the 16 layers' sums: the casts' share of a step's GPU time,
-measured without the rest of the step around them.
+measured without the rest of the step around them. ``--opening`` times every launch as one
+that opens its step instead (shifting a 1024-row history and gathering the amax in the
+history's scratch pair), as a step's first record into each history runs.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def byte_transpose_us(rows: int, cols: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--opening", action="store_true", help="launches that open a step")
     args = parser.parse_args()
     spin_up(_CUDA, 3)
     for tokens in args.tokens:
@@ -98,7 +101,7 @@ def main() -> None:
             x = torch.randn(rows, cols, device=_CUDA, dtype=torch.bfloat16)
             aux = torch.randn_like(x) if op == "dgelu" else None
             moved = x.numel() * (2 + (2 if aux is not None else 0) + (2 if transpose else 1))
-            us = cast_us(x, aux, op, transpose, sums)
+            us = cast_us(x, aux, op, transpose, sums, new_step=args.opening)
             config = default_config(rows, cols, transpose, op, sums)
             line = f"T={tokens} {what} {rows}x{cols} {config}: {us:.1f} us, "
             line += f"{moved / us / 1e3:.0f} GB/s"
@@ -109,7 +112,8 @@ def main() -> None:
             layer_us += us * count
             print(line, flush=True)
         step_ms = layer_us * MODEL["layers"] / 1e3
-        print(f"T={tokens}: one layer's casts {layer_us:.1f} us, a step's {step_ms:.2f} ms")
+        kind = " (every launch opening a step)" if args.opening else ""
+        print(f"T={tokens}: one layer's casts {layer_us:.1f} us, a step's {step_ms:.2f} ms{kind}")
 
 
 if __name__ == "__main__":

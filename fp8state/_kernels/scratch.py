@@ -7,6 +7,8 @@ sums split the rows adds partial rows and counts each column tile's finished pro
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from fp8state._kernels.launch import raw_stream
@@ -26,9 +28,13 @@ _PAIRS: dict[int, torch.Tensor] = {}
 _COUNTS: dict[tuple[int, int], torch.Tensor] = {}
 # Pairs are cut from zeroed slabs (one allocation and one zeroing per this many), each padded
 # to 16 bytes: Triton specializes pointers on 16-byte alignment, and the launch key assumes it.
+# A history first seen while a graph is captured gets a pair of its own (_cut_pair).
 _SLAB_PAIRS = 1024
 _PAIR_INTS = 4
 _SLABS: dict[torch.device, tuple[torch.Tensor, int]] = {}
+# Held while a history's buffers are made (its first launches only): two threads making pairs
+# at once must not cut the same one from a slab.
+_MAKING = threading.Lock()
 
 
 def _stream_key(device: torch.device) -> tuple[int, int]:
@@ -41,13 +47,24 @@ def scratch_pair(history: torch.Tensor) -> torch.Tensor:
     """The zeroed int32 (amax bits, programs done) pair ``history``'s opening launches use."""
     pair = _PAIRS.get(history.data_ptr())
     if pair is None:
-        slab, used = _SLABS.get(history.device, (None, _SLAB_PAIRS))
-        if slab is None or used == _SLAB_PAIRS:  # the first pair on this device, or slab full
-            slab = torch.zeros(_SLAB_PAIRS, _PAIR_INTS, dtype=torch.int32, device=history.device)
-            used = 0
-        _SLABS[history.device] = slab, used + 1
-        pair = _PAIRS[history.data_ptr()] = slab[used]
+        with _MAKING:
+            pair = _PAIRS.get(history.data_ptr())
+            if pair is None:
+                pair = _PAIRS[history.data_ptr()] = _cut_pair(history.device)
     return pair
+
+
+def _cut_pair(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A pair made under capture is zeroed by the graph at every replay: a pair of its
+        # own, as a slab made there would be zeroed whole, under other histories' launches.
+        return torch.zeros(_PAIR_INTS, dtype=torch.int32, device=device)
+    slab, used = _SLABS.get(device, (None, _SLAB_PAIRS))
+    if slab is None or used == _SLAB_PAIRS:  # the first pair on this device, or slab full
+        slab = torch.zeros(_SLAB_PAIRS, _PAIR_INTS, dtype=torch.int32, device=device)
+        used = 0
+    _SLABS[device] = slab, used + 1
+    return slab[used]
 
 
 def tile_counts(history: torch.Tensor, tiles: int) -> torch.Tensor:
@@ -55,7 +72,11 @@ def tile_counts(history: torch.Tensor, tiles: int) -> torch.Tensor:
     key = (history.data_ptr(), tiles)
     counts = _COUNTS.get(key)
     if counts is None:
-        counts = _COUNTS[key] = torch.zeros(tiles, dtype=torch.int32, device=history.device)
+        with _MAKING:
+            counts = _COUNTS.get(key)
+            if counts is None:
+                counts = torch.zeros(tiles, dtype=torch.int32, device=history.device)
+                _COUNTS[key] = counts
     return counts
 
 
