@@ -1,8 +1,9 @@
-"""The host side of the one-pass FP8 cast: block shapes, scratch buffers and the launch.
+"""The host side of the one-pass FP8 cast: block shapes and the launch.
 
-The kernel itself is :mod:`fp8state._kernels.triton_cast`; this file picks its configuration
-for a tensor's shape (:func:`default_config`), and launches it
-through the fast launcher (:func:`cast_transpose_amax`, :func:`cast_slot`).
+The kernel itself is :mod:`fp8state._kernels.triton_cast`, the buffers it gathers in
+:mod:`fp8state._kernels.scratch`; this file picks its configuration for a tensor's shape
+(:func:`default_config`) and launches it through the fast launcher
+(:func:`cast_transpose_amax`, :func:`cast_slot`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The zeroed and scratch buffers the cast kernels gather in, kept between launches.
+"""The buffers the cast and norm-cast kernels gather in, kept between launches.
 
 A launch that opens a step gathers its programs' amaxes in an int32 pair; one whose column
 sums split the rows adds partial rows and counts each column tile's finished programs
@@ -19,11 +19,12 @@ __all__ = ["partial_rows", "scratch_pair", "tile_counts"]
 # sum's tile counters) are kept per history, by its address. Every launch leaves them zeroed
 # for the next, and the launches that record into one history run one after another, on
 # whatever stream (the history itself needs that). So a CUDA graph captured after warm-up
-# launches finds them made and zeroes nothing: buffers kept per stream could not go into a
-# graph, which replays on any stream, and a graph's own buffers were zeroed by kernels of
-# their own at every replay (some 160 in a graphed step of benchmarks/transformer.py's model
-# at 2048 tokens). Entries stay: a graph keeps the addresses it captured, and a history's
-# memory, once freed, passes its zeroed buffers on to the next history that takes it.
+# launches finds them made and zeroes nothing at replay. Buffers kept per stream could not go
+# into a graph, which replays on any stream, and buffers made during a capture are zeroed by
+# a kernel of their own at every replay (160 such kernels in a graphed step of
+# benchmarks/transformer.py's model at 2048 tokens, docs/benchmarks.md). Entries stay: a graph
+# keeps the addresses it captured, and a history's memory, once freed, passes its zeroed
+# buffers on to the next history that takes it.
 _PAIRS: dict[int, torch.Tensor] = {}
 _COUNTS: dict[tuple[int, int], torch.Tensor] = {}
 # Pairs are cut from zeroed slabs (one allocation and one zeroing per this many), each padded

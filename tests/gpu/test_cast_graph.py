@@ -97,7 +97,7 @@ def test_replays_match_eager_launches(shape, column_sums, transpose, op) -> None
 
 
 @pytest.mark.parametrize("column_sums", [False, True])
-def test_a_graph_captured_after_warm_up_replays_only_the_casts(column_sums) -> None:
+def test_a_graph_captured_after_warm_up_replays_what_an_eager_step_launches(column_sums) -> None:
     gen = torch.Generator(device="cuda").manual_seed(5)
     hist = torch.rand(5, 3, device="cuda", generator=gen) * 10
     scale = torch.rand(3, device="cuda", generator=gen) * 4 + 0.5
