@@ -20,6 +20,7 @@ import fp8state
 from fp8state.errors import FP8StateError
 from fp8state.formats import Format
 from fp8state.recipe import AMAX_COMPUTE_ALGOS, DelayedScaling
+from fp8state.schema import SCHEMA_VERSION
 
 # database=None: no .hypothesis/ directory in the checkout; deadline=None: CPU timing varies.
 SETTINGS = settings(
@@ -232,8 +233,8 @@ def corrupt_value(draw: st.DrawFn, key: str, p: dict[str, Any], kinds: tuple[str
         t.view(-1)[draw(st.integers(0, t.numel() - 1))] = draw(st.sampled_from(bad))
         return t
     # bad_code
-    if key == "schema_version":
-        value = draw(INT64.filter(lambda v: v != 1))
+    if key == "schema_version":  # every version this fp8state reads is a good code
+        value = draw(INT64.filter(lambda v: not 1 <= v <= SCHEMA_VERSION))
     elif key in ("recipe.fp8_format", "recipe.amax_compute_algo"):
         value = draw(INT64.filter(lambda v: v not in (0, 1)))
     elif key == "recipe.margin":
