@@ -8,6 +8,8 @@ sums split the rows adds partial rows and counts each column tile's finished pro
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,22 +46,29 @@ def _stream_key(device: torch.device) -> tuple[int, int]:
     return index, raw_stream(index)
 
 
+def _kept(
+    table: dict[Any, torch.Tensor], key: object, make: Callable[..., torch.Tensor], *args: object
+) -> torch.Tensor:
+    """``table[key]``, made by ``make(*args)`` the first time (under the lock)."""
+    found = table.get(key)
+    if found is None:
+        with _MAKING:
+            found = table.get(key)
+            if found is None:
+                found = table[key] = make(*args)
+    return found
+
+
 def scratch_pair(history: torch.Tensor) -> torch.Tensor:
     """The zeroed int32 (amax bits, programs done) pair ``history``'s opening launches use."""
-    pair = _PAIRS.get(history.data_ptr())
-    if pair is None:
-        with _MAKING:
-            pair = _PAIRS.get(history.data_ptr())
-            if pair is None:
-                pair = _PAIRS[history.data_ptr()] = _cut_pair(history.device)
-    return pair
+    return _kept(_PAIRS, history.data_ptr(), _cut_pair, history.device)
 
 
 def _cut_pair(device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # A pair made under capture is zeroed by the graph at every replay: a pair of its
         # own, as a slab made there would be zeroed whole, under other histories' launches.
-        return torch.zeros(_PAIR_INTS, dtype=torch.int32, device=device)
+        return _zeroed(_PAIR_INTS, device)
     slab, used = _SLABS.get(device, (None, _SLAB_PAIRS))
     if slab is None or used == _SLAB_PAIRS:  # the first pair on this device, or slab full
         slab = torch.zeros(_SLAB_PAIRS, _PAIR_INTS, dtype=torch.int32, device=device)
@@ -71,14 +80,11 @@ def _cut_pair(device: torch.device) -> torch.Tensor:
 def tile_counts(history: torch.Tensor, tiles: int) -> torch.Tensor:
     """The zeroed int32 counters, one per column tile, of a row-split column sum."""
     key = (history.data_ptr(), tiles)
-    counts = _COUNTS.get(key)
-    if counts is None:
-        with _MAKING:
-            counts = _COUNTS.get(key)
-            if counts is None:
-                counts = torch.zeros(tiles, dtype=torch.int32, device=history.device)
-                _COUNTS[key] = counts
-    return counts
+    return _kept(_COUNTS, key, _zeroed, tiles, history.device)
+
+
+def _zeroed(ints: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(ints, dtype=torch.int32, device=device)
 
 
 # Per device and stream: float32 room for the column sums' partial rows, written before they

@@ -12,6 +12,7 @@
 - ``cli``: the ``fp8state`` command, in process and as a console script.
 - ``dcp``: DCP folders with crafted metadata.
 - ``import_graph``: the package's import graph and layer rules (``architecture/test_layers.py``).
+- ``capture``: the warm-up on a side stream that a CUDA graph capture needs.
 
 Import as ``from _helpers.state import ...``: ``tests/`` is on ``sys.path`` because it holds
 ``conftest.py`` and has no ``__init__.py`` (pytest's default "prepend" import mode).

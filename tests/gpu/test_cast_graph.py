@@ -5,8 +5,8 @@ column sum split over rows counts each tile's programs, in buffers kept per hist
 every launch leaves zeroed (fp8state/_kernels/scratch.py); the column sums' partial rows are
 per stream, and a captured launch takes its own. Each replay here runs on new input values,
 interleaved with eager launches on the same stream, and must match an eager launch on a copy
-of the history bit for bit; a graph captured after warm-up launches replays the casts alone,
-with no zeroing of its own.
+of the history bit for bit; a graph captured after warm-up launches replays the kernels an
+eager step launches, with no zeroing of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import importlib.util
 
 import pytest
 import torch
+from _helpers.capture import warm_up
 from torch.profiler import ProfilerActivity, profile
 
 from fp8state._runtime.norm_cast import norm_cast_slot
@@ -64,12 +65,7 @@ def test_replays_match_eager_launches(shape, column_sums, transpose, op) -> None
     x.normal_(generator=gen)
     if aux is not None:
         aux.normal_(generator=gen)
-    # Warm up (compile the kernel) on a side stream, as graph capture requires.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cast(hist.clone())
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(lambda: cast(hist.clone()))  # compiles the kernel
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = cast(hist)
@@ -116,11 +112,7 @@ def test_a_graph_captured_after_warm_up_replays_what_an_eager_step_launches(colu
         return norm[0], grad[0]
 
     hist_b = hist.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up, as capture requires: the buffers are made here
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(step)  # the buffers are made here
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _helpers.capture import warm_up
 from torch import nn
 
 import fp8state
@@ -50,15 +51,8 @@ def test_captured_step_replays_like_eager_steps(name: str) -> None:
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out_dim = 512 if name == "LayerNormMLP" else 384
     grad = torch.randn(256, out_dim, device="cuda", dtype=torch.bfloat16)
-    # Warm-up steps (kernels compiled, cuBLAS workspaces made) on a side stream, as capture
-    # requires; both twins take the same ones.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            _step(captured, x, grad)
-            _step(eager, x, grad)
-    torch.cuda.current_stream().wait_stream(side)
+    # Warm-up steps (kernels compiled, cuBLAS workspaces made); both twins take the same ones.
+    warm_up(lambda: [_step(m, x, grad) for _ in range(3) for m in (captured, eager)])
     for p in [*captured.parameters(), x]:
         p.grad = None  # replays write the gradients into the graph's own tensors
     graph = torch.cuda.CUDAGraph()
