@@ -2,7 +2,7 @@
 
 Usage (Triton installed; no GPU needed)::
 
-    python benchmarks/cast_ptx.py [--source DIR] [--stages none|3|absent]
+    python benchmarks/cast_ptx.py [--source DIR] [--stages none|3|absent] [--order]
 
 Compiles :func:`fp8state._kernels.triton_cast.cast_kernel` from ``--source`` (a directory
 holding an ``fp8state`` package; default: this checkout) for compute capability 9.0, for a
@@ -13,7 +13,10 @@ specializes them (16-byte aligned, multiples of 16) and line information off. Pr
 of each PTX and how many asynchronous copy groups it commits (loads issued ahead).
 ``--stages`` is the kernel's ``STAGES`` argument (``absent`` for a kernel from before it had
 one). Equal hashes mean the same machine code: a change that keeps them is tested by
-whatever tested the other source on a GPU.
+whatever tested the other source on a GPU. ``--order`` prints, per launch kind, the PTX lines
+of its atomics, barriers and loads past L1 in program order, with the predicate line of each
+atomic: what the memory-order comments of :mod:`fp8state._kernels.triton_record` rest on (a
+relaxed maximum, then a barrier, then the acq_rel count on the same thread).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ CASES = {
 }
 
 
-def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
-    """``{case: (PTX hash, async copy groups committed)}`` of ``source``'s cast kernel."""
+def compile_ptx(source: Path, stages: str) -> dict[str, str]:
+    """``{case: PTX}`` of ``source``'s cast kernel for each launch kind in ``CASES``."""
     os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # paths and lines are not machine code
     sys.path.insert(0, str(source))
     from triton import compile as triton_compile
@@ -70,7 +73,7 @@ def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
     names = kernel.arg_names
     signature = {n: _POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
-    digests = {}
+    ptx = {}
     for case, (rows, cols, transpose, op, sums, opens) in CASES.items():
         block_m, block_n, warps, _ = default_config(rows, cols, transpose, op, sums)
         constexprs = {
@@ -90,16 +93,62 @@ def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": warps},
         )
-        ptx = compiled.asm["ptx"]
-        digests[case] = (hashlib.sha1(ptx.encode()).hexdigest()[:16], ptx.count("cp.async.commit"))
-    return digests
+        ptx[case] = compiled.asm["ptx"]
+    return ptx
+
+
+def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
+    """``{case: (PTX hash, async copy groups committed)}`` of ``source``'s cast kernel."""
+    return {
+        case: (hashlib.sha1(ptx.encode()).hexdigest()[:16], ptx.count("cp.async.commit"))
+        for case, ptx in compile_ptx(source, stages).items()
+    }
+
+
+def _definition(lines: list[str], register: str, before: int) -> tuple[int, str] | None:
+    """The last line before ``before`` that writes ``register`` (its first operand)."""
+    for i in range(before - 1, -1, -1):
+        parts = lines[i].replace(",", " ").split()
+        if len(parts) > 1 and not parts[0].startswith("@") and parts[1] == register:
+            return i, lines[i]
+    return None
+
+
+def _derivation(lines: list[str], register: str, before: int, depth: int = 5) -> list[str]:
+    """How ``register`` was computed: its definition and, recursively, its operands'."""
+    found = _definition(lines, register, before)
+    if found is None or depth == 0:
+        return []
+    i, line = found
+    tokens = line.replace(",", " ").replace(";", " ").split()[2:]
+    operands = [t for t in tokens if t[:2] in ("%p", "%r")]
+    derived = [d for op in operands for d in _derivation(lines, op, i, depth - 1)]
+    return [*derived, f"    {line}"]
+
+
+def memory_order(ptx: str) -> list[str]:
+    """The atomics, barriers and loads past L1, in order; each atomic after how its
+    predicate (which threads run it) was computed from ``%tid.x``."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    shown = []
+    for i, line in enumerate(lines):
+        if line.startswith("@") and " atom." in line:
+            shown += _derivation(lines, line.split()[0][1:], i)
+        if " atom." in line or line.startswith(("bar.sync", "fence", "membar")) or ".cg." in line:
+            shown.append(line)
+    return shown
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parents[1])
     parser.add_argument("--stages", default="none", choices=["none", "3", "absent"])
+    parser.add_argument("--order", action="store_true", help="atomics and barriers in order")
     args = parser.parse_args()
+    if args.order:
+        for case, ptx in compile_ptx(args.source, args.stages).items():
+            print(f"== {case}", *memory_order(ptx), sep="\n")
+        return
     print(json.dumps(ptx_digests(args.source, args.stages), indent=1))
 
 

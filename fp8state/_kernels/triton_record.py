@@ -40,14 +40,17 @@ def record_amax(amax, scratch_ptr, hist_ptr, slot, SHIFT: tl.constexpr):
     """One casting program's amax: into scratch when the launch opens a step, else row 0."""
     if SHIFT:
         # Into scratch as int bits (same order as the floats, all >= 0); the last program
-        # to count itself done writes row 0 from it.
-        tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True))
+        # to count itself done writes row 0 from it. Relaxed: the same thread (Triton's
+        # thread 0, after a barrier) counts itself done next, with acq_rel, and that release
+        # orders this maximum before the last program's read (the PTX for sm_90: `python
+        # benchmarks/cast_ptx.py --order`). The default fenced here too, a second wait for
+        # the program's stores.
+        tl.atomic_max(scratch_ptr, amax.to(tl.int32, bitcast=True), sem="relaxed")
     else:
         # Relaxed: nothing in this launch reads row 0, and the launch's end orders it before
         # any later reader. The default (acq_rel) fences every program's end behind its
         # stores: 0.55-1.15 us more per cast at 2048 tokens on an H100 (6.2-6.5 against
-        # 5.3-5.5 us at 2048x2048, benchmarks/model_casts.py). The scratch maximum above
-        # keeps the default, as the last program to count itself done reads it.
+        # 5.3-5.5 us at 2048x2048, benchmarks/model_casts.py).
         tl.atomic_max(hist_ptr + slot, amax, sem="relaxed")
 
 
@@ -56,10 +59,13 @@ def count_done(scratch_ptr, hist_ptr, slot, n_slots, SLOTS: tl.constexpr):
     """Count this program done; the last one writes the step's row 0 and resets scratch.
 
     acq_rel: whatever a program stored before counting (the shift, its amax) is visible to
-    whoever counts last. Scratch is left zeroed for the next launch on this stream.
+    whoever counts last, which then reads the maximum with a plain load past L1. Scratch is
+    left zeroed for the next launch on this history by plain stores, which the launch's end
+    orders before that launch (exchanges were two more fenced round trips on the launch's
+    last program).
     """
     if tl.atomic_add(scratch_ptr + 1, 1) == tl.num_programs(0) - 1:
-        total = tl.atomic_xchg(scratch_ptr, 0).to(tl.float32, bitcast=True)
-        tl.atomic_xchg(scratch_ptr + 1, 0)
+        total = tl.load(scratch_ptr, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        tl.store(scratch_ptr + tl.arange(0, 2), tl.zeros((2,), dtype=tl.int32))
         row0 = tl.arange(0, SLOTS)
         tl.store(hist_ptr + row0, tl.where(row0 == slot, total, 0.0), mask=row0 < n_slots)
