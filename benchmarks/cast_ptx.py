@@ -14,9 +14,10 @@ of each PTX and how many asynchronous copy groups it commits (loads issued ahead
 ``--stages`` is the kernel's ``STAGES`` argument (``absent`` for a kernel from before it had
 one). Equal hashes mean the same machine code: a change that keeps them is tested by
 whatever tested the other source on a GPU. ``--order`` prints, per launch kind, the PTX lines
-of its atomics, barriers and loads past L1 in program order, with the predicate line of each
-atomic: what the memory-order comments of :mod:`fp8state._kernels.triton_record` rest on (a
-relaxed maximum, then a barrier, then the acq_rel count on the same thread).
+of its atomics, barriers and loads past L1 in program order, each atomic after the lines that
+compute its predicate from ``%tid.x`` (which thread issues it): what the memory-order comments
+of :mod:`fp8state._kernels.triton_record` rest on (a relaxed maximum, then a barrier, then the
+acq_rel count, on the same thread).
 """
 
 from __future__ import annotations
