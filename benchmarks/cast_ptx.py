@@ -13,7 +13,8 @@ specializes them (16-byte aligned, multiples of 16) and line information off. Pr
 of each PTX and how many asynchronous copy groups it commits (loads issued ahead).
 ``--stages`` is the kernel's ``STAGES`` argument (``absent`` for a kernel from before it had
 one). Equal hashes mean the same machine code: a change that keeps them is tested by
-whatever tested the other source on a GPU. ``--order`` prints, per launch kind, the PTX lines
+whatever tested the other source on a GPU. ``--order`` prints, per launch kind (and for two
+launches of the norm cast kernel that open a step, which record their amax alike), the PTX lines
 of its atomics, barriers and loads past L1 in program order, each atomic after the lines that
 compute its predicate from ``%tid.x`` (which thread issues it): what the memory-order comments
 of :mod:`fp8state._kernels.triton_record` rest on (a relaxed maximum, then a barrier, then the
@@ -98,6 +99,50 @@ def compile_ptx(source: Path, stages: str) -> dict[str, str]:
     return ptx
 
 
+# The norm cast (fp8state._kernels.triton_norm_cast) shares the cast's amax record: its
+# launches that open a step, at the forward plans of a 2048-column input (4 warps) and of the
+# widest it takes (8 warps).
+NORM_CASES = {
+    "norm_cast_opening_2048_columns": (2048, 2048),
+    "norm_cast_opening_16384_columns": (2048, 16384),
+}
+_NORM_POINTERS = {
+    **{n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr")},
+    "out_ptr": "*fp8e4nv",
+    **{n: "*fp32" for n in ("mean_ptr", "rstd_ptr", "scale_ptr", "inv_ptr", "inv_out_ptr")},
+    "hist_ptr": "*fp32",
+    "scratch_ptr": "*i32",
+    "eps": "fp32",
+}
+
+
+def compile_norm_ptx(source: Path) -> dict[str, str]:
+    """``{case: PTX}`` of ``source``'s norm cast kernel, opening a step, per ``NORM_CASES``."""
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+    sys.path.insert(0, str(source))
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = importlib.import_module("fp8state._kernels.triton_norm_cast").norm_cast_kernel
+    forward_plan = importlib.import_module("fp8state._kernels.norm_launch")._forward_plan
+    signature = {
+        n: _NORM_POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in kernel.arg_names
+    }
+    ptx = {}
+    for case, (rows, cols) in NORM_CASES.items():
+        _, _, block_m, block_n, warps = forward_plan(rows, cols)
+        constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": True, "RMS": False}
+        constexprs.update(SHIFT=True, SLOTS=4, CHUNK=512)
+        compiled = triton_compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={}),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps},
+        )
+        ptx[case] = compiled.asm["ptx"]
+    return ptx
+
+
 def ptx_digests(source: Path, stages: str) -> dict[str, tuple[str, int]]:
     """``{case: (PTX hash, async copy groups committed)}`` of ``source``'s cast kernel."""
     return {
@@ -147,7 +192,8 @@ def main() -> None:
     parser.add_argument("--order", action="store_true", help="atomics and barriers in order")
     args = parser.parse_args()
     if args.order:
-        for case, ptx in compile_ptx(args.source, args.stages).items():
+        cases = {**compile_ptx(args.source, args.stages), **compile_norm_ptx(args.source)}
+        for case, ptx in cases.items():
             print(f"== {case}", *memory_order(ptx), sep="\n")
         return
     print(json.dumps(ptx_digests(args.source, args.stages), indent=1))
