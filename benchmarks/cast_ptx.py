@@ -30,6 +30,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 _POINTERS = {
     "x_ptr": "*bf16",
@@ -59,18 +60,35 @@ CASES = {
 }
 
 
-def compile_ptx(source: Path, stages: str) -> dict[str, str]:
-    """``{case: PTX}`` of ``source``'s cast kernel for each launch kind in ``CASES``."""
+def _kernel_module(source: Path, name: str) -> Any:
+    """``fp8state._kernels.<name>`` imported from ``source`` (checked: not another copy)."""
     os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # paths and lines are not machine code
-    sys.path.insert(0, str(source))
+    if str(source) not in sys.path:
+        sys.path.insert(0, str(source))
+    module = importlib.import_module(f"fp8state._kernels.{name}")
+    if not Path(module.__file__ or "").resolve().is_relative_to(source.resolve()):
+        raise SystemExit(f"imported {module.__file__}, not the kernel under {source}")
+    return module
+
+
+def _sm90_ptx(kernel: Any, signature: dict, constexprs: dict, attrs: dict, warps: int) -> str:
+    """The PTX Triton compiles ``kernel`` to for compute capability 9.0."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module = importlib.import_module("fp8state._kernels.triton_cast")
-    if not Path(module.__file__ or "").resolve().is_relative_to(source.resolve()):
-        raise SystemExit(f"imported {module.__file__}, not the kernel under {source}")
-    default_config = importlib.import_module("fp8state._kernels.cast_launch").default_config
+    compiled = triton_compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps},
+    )
+    return compiled.asm["ptx"]
+
+
+def compile_ptx(source: Path, stages: str) -> dict[str, str]:
+    """``{case: PTX}`` of ``source``'s cast kernel for each launch kind in ``CASES``."""
+    module = _kernel_module(source, "triton_cast")
+    default_config = _kernel_module(source, "cast_launch").default_config
     kernel = module.cast_kernel
     names = kernel.arg_names
     signature = {n: _POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in names}
@@ -90,12 +108,7 @@ def compile_ptx(source: Path, stages: str) -> dict[str, str]:
         }
         if stages != "absent":
             constexprs["STAGES"] = None if stages == "none" else int(stages)
-        compiled = triton_compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps},
-        )
-        ptx[case] = compiled.asm["ptx"]
+        ptx[case] = _sm90_ptx(kernel, signature, constexprs, attrs, warps)
     return ptx
 
 
@@ -118,14 +131,8 @@ _NORM_POINTERS = {
 
 def compile_norm_ptx(source: Path) -> dict[str, str]:
     """``{case: PTX}`` of ``source``'s norm cast kernel, opening a step, per ``NORM_CASES``."""
-    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
-    sys.path.insert(0, str(source))
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = importlib.import_module("fp8state._kernels.triton_norm_cast").norm_cast_kernel
-    forward_plan = importlib.import_module("fp8state._kernels.norm_launch")._forward_plan
+    kernel = _kernel_module(source, "triton_norm_cast").norm_cast_kernel
+    forward_plan = _kernel_module(source, "norm_launch")._forward_plan
     signature = {
         n: _NORM_POINTERS.get(n) or _SCALARS.get(n) or "constexpr" for n in kernel.arg_names
     }
@@ -133,13 +140,8 @@ def compile_norm_ptx(source: Path) -> dict[str, str]:
     for case, (rows, cols) in NORM_CASES.items():
         _, _, block_m, block_n, warps = forward_plan(rows, cols)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": True, "RMS": False}
-        constexprs.update(SHIFT=True, SLOTS=4, CHUNK=512)
-        compiled = triton_compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={}),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps},
-        )
-        ptx[case] = compiled.asm["ptx"]
+        constexprs |= {"SHIFT": True, "SLOTS": 4, "CHUNK": 512}
+        ptx[case] = _sm90_ptx(kernel, signature, constexprs, {}, warps)
     return ptx
 
 
