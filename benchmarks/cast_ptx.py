@@ -138,7 +138,7 @@ def compile_norm_ptx(source: Path) -> dict[str, str]:
     }
     ptx = {}
     for case, (rows, cols) in NORM_CASES.items():
-        _, _, block_m, block_n, warps = forward_plan(rows, cols)
+        _, _, block_m, block_n, warps = forward_plan(rows, cols, True)
         constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": True, "RMS": False}
         constexprs |= {"SHIFT": True, "SLOTS": 4, "CHUNK": 512}
         ptx[case] = _sm90_ptx(kernel, signature, constexprs, {}, warps)

@@ -1,6 +1,7 @@
 """A norm and the FP8 cast of its output: separate kernels against one fused pass.
 
-Usage (CUDA): ``python benchmarks/norm_cast_probe.py [--shapes 2048x2048 8192x2048] [--rms]``.
+Usage (CUDA): ``python benchmarks/norm_cast_probe.py [--shapes 2048x2048 8192x2048] [--rms]
+[--opening]``.
 
 For each ``MxN`` bf16 input, device microseconds (CUDA graph of ``--reps`` launches, median of
 replays) of: ``torch.nn.functional.layer_norm`` alone; it followed by fp8state's cast with
@@ -32,7 +33,8 @@ from model_kernels import kernel_times  # benchmarks/ is on sys.path as a script
 from overlap_probe import graph_us
 
 from fp8state._kernels import norm_launch
-from fp8state._kernels.cast_launch import cast_transpose_amax
+from fp8state._kernels.cast_launch import cast_transpose_amax, history_blocks
+from fp8state._kernels.scratch import scratch_pair
 from fp8state._kernels.triton_norm_backward import norm_backward_kernel
 from fp8state._kernels.triton_norm_cast import norm_cast_kernel
 from fp8state._kernels.triton_transpose import transpose_bytes
@@ -47,22 +49,33 @@ def _span(m: int, programs: int, block_m: int) -> int:
 
 
 def fused(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, block_m: int, warps: int, programs: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    block_m: int,
+    warps: int,
+    programs: int,
+    opening: bool = False,
 ) -> tuple[Launch, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A launch of the fused forward on ``x`` (no history shift; amax into row 0)."""
+    """A launch of the fused forward on ``x``: amax into row 0, or with ``opening`` as the
+    step's first record (one more program shifts a 1024-row history, the amax gathered in
+    the history's scratch pair)."""
     m, n = x.shape
     dev = x.device
     out = torch.empty((m, n), dtype=E4M3, device=dev)
     mean, rstd = torch.empty(m, device=dev), torch.empty(m, device=dev)
     scale, inv = torch.ones(3, device=dev), torch.ones(3, device=dev)
     inv_out = torch.empty(1, device=dev)
-    hist = torch.zeros(4, 3, device=dev)
+    hist = torch.zeros(1024 if opening else 4, 3, device=dev)
+    scratch = scratch_pair(hist) if opening else scale
+    slots_block, chunk = history_blocks(3)
     span = _span(m, programs, block_m)
 
     def launch() -> torch.Tensor:
-        norm_cast_kernel[(triton.cdiv(m, span),)](
-            x, w, b, out, mean, rstd, scale, inv, inv_out, hist, scale, 0, 3, 4, m, n, span,
-            1e-5, block_m, triton.next_power_of_2(n), True, False, False, 4, 512, num_warps=warps,
+        norm_cast_kernel[(triton.cdiv(m, span) + opening,)](
+            x, w, b, out, mean, rstd, scale, inv, inv_out, hist, scratch, 0, 3, hist.shape[0],
+            m, n, span, 1e-5, block_m, triton.next_power_of_2(n), True, False, opening,
+            slots_block, chunk, num_warps=warps,
         )  # fmt: skip
         return out
 
@@ -149,6 +162,26 @@ def probe_shape(m: int, n: int, reps: int) -> None:
                 )
 
 
+def probe_opening(m: int, n: int, reps: int) -> None:
+    """Print every fused forward configuration's time as a later record and as an opening one."""
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3 + 1
+    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1
+    print(f"{m}x{n}, default plan {norm_launch._forward_plan(m, n)}", flush=True)
+    for block_m in (1, 2, 4):
+        for warps in (4, 8):
+            for programs in (132, 198, 264, 396, 528):
+                if programs * block_m > m or block_m * triton.next_power_of_2(n) > 128 * 32 * warps:
+                    continue  # as probe_shape
+                later = graph_us(fused(x, w, b, block_m, warps, programs)[0], reps)
+                opening = graph_us(fused(x, w, b, block_m, warps, programs, True)[0], reps)
+                print(
+                    f"  rows {block_m} warps {warps} programs {programs}: later record "
+                    f"{later:.1f} us, opening {opening:.1f} us",
+                    flush=True,
+                )
+
+
 def probe_rms(m: int, n: int, reps: int) -> None:
     """Print RMSNorm's separate kernels' times against the fused ones' for ``m x n``."""
     x = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3 + 1).requires_grad_()
@@ -203,10 +236,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["2048x2048", "8192x2048", "8192x4096"])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rms", action="store_true", help="RMSNorm, with the default plans")
+    parser.add_argument(
+        "--opening", action="store_true", help="the forward's plans, later and opening records"
+    )
     args = parser.parse_args()
+    probe = probe_rms if args.rms else probe_opening if args.opening else probe_shape
     for shape in args.shapes:
         m, n = map(int, shape.split("x"))
-        (probe_rms if args.rms else probe_shape)(m, n, args.reps)
+        probe(m, n, args.reps)
 
 
 if __name__ == "__main__":

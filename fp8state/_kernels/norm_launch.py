@@ -37,10 +37,23 @@ _SUM_ROWS, _SUM_COLUMNS = 64, 32  # partial rows per load, columns per summing p
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_plan(m: int, n: int) -> tuple[int, int, int, int, int]:
-    """``(programs, span, BLOCK_M, BLOCK_N, warps)`` of the forward for an ``(m, n)`` input."""
+def _forward_plan(m: int, n: int, opening: bool = False) -> tuple[int, int, int, int, int]:
+    """``(programs, span, BLOCK_M, BLOCK_N, warps)`` of the forward for an ``(m, n)`` input.
+
+    ``opening``: for a launch that opens a step. Each of its programs ends on a fenced count
+    (:func:`fp8state._kernels.triton_record.count_done`), a wait that every wave of programs
+    pays again. Two-row blocks of 2048 columns take 214-219 registers a thread (ptxas for
+    sm_90), two programs an SM, so 512 programs run in two waves; one-row blocks take 164-168,
+    three an SM. On an H100 (``python benchmarks/norm_cast_probe.py --opening --shapes
+    2048x2048 4096x2048 8192x2048``), opening launches of one-row blocks took 8.1 us at
+    2048x2048 and 12.1 at 4096x2048 against 10.3 and 15.5 for two-row ones; later records
+    keep the two-row blocks, faster there (6.6 against 6.9 us, 10.5 against 11.3), as do
+    taller inputs (8192x2048: 25.3 against 30.1 us opening).
+    """
     block_n = triton.next_power_of_2(n)
     block_m = 2 if block_n <= 4096 else 1
+    if opening and block_n == 2048 and m <= 4096:
+        block_m = 1
     warps = 4 if block_m * block_n <= 8192 else 8
     target = max(132, 528 * 2048 // max(block_n, 2048))
     span = triton.cdiv(triton.cdiv(m, target), block_m) * block_m
@@ -82,7 +95,7 @@ def norm_cast_slot(
     """
     m, n = x_2d.shape
     device = x_2d.device
-    programs, span, block_m, block_n, warps = _forward_plan(m, n)
+    programs, span, block_m, block_n, warps = _forward_plan(m, n, new_step)
     out = torch.empty((m, n), dtype=fp8_dtype, device=device)
     inv_out = torch.empty(1, dtype=torch.float32, device=device)
     rstd = torch.empty((m, 1), dtype=torch.float32, device=device)

@@ -46,7 +46,7 @@ def _assert_within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    "shape", [(1, 16), (3, 1000), (300, 64), (2048, 2048), (4099, 4096), (17, 16384)]
+    "shape", [(1, 16), (3, 1000), (300, 64), (129, 2000), (2048, 2048), (4099, 4096), (17, 16384)]
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rms,bias", [(False, True), (False, False), (True, False)])
