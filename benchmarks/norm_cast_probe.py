@@ -13,6 +13,12 @@ and the largest differences of the rows' statistics; and the fused backward with
 partial rows summed by ``Tensor.sum`` (:mod:`fp8state._kernels.triton_norm_backward`),
 with its largest relative differences from torch's.
 
+``--opening``: only the fused forward, per row block, warps and program count, timed as a
+later record of a step (its amax into row 0) and as the record that opens one (one more
+program shifts a 1024-row history; every program gathers its amax in the history's scratch
+pair and counts itself done, the last writing row 0): what
+:func:`fp8state._kernels.norm_launch._forward_plan` chooses its opening plans by.
+
 ``--rms``: RMSNorm instead, with the launch plans LayerNorm's timings chose
 (:mod:`fp8state._kernels.norm_launch`): ``F.rms_norm`` alone, followed by the cast with the
 transposed copy, and torch's backward of it (autograd's; the summed GPU time of its kernels,
