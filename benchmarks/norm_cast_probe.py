@@ -29,7 +29,7 @@ backward with its parameter-gradient sums.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -115,11 +115,30 @@ def backward(
     return launch
 
 
-def probe_shape(m: int, n: int, reps: int) -> None:
-    """Print the separate kernels' times, then every fused configuration's, for ``m x n``."""
+def _layer_norm_inputs(m: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bf16 ``(m, n)`` input off zero mean and unit scale, and LayerNorm's weight and bias."""
     x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3 + 1
     w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1
+    return x, w, b
+
+
+def _plans(m: int, n: int, program_counts: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """``(rows per block, warps, programs)`` of the fused kernels swept for an ``(m, n)`` input,
+    leaving out those with fewer rows than programs or over 128 values a thread."""
+    for block_m in (1, 2, 4):
+        for warps in (4, 8):
+            for programs in program_counts:
+                if (
+                    programs * block_m <= m
+                    and block_m * triton.next_power_of_2(n) <= 128 * 32 * warps
+                ):
+                    yield block_m, warps, programs
+
+
+def probe_shape(m: int, n: int, reps: int) -> None:
+    """Print the separate kernels' times, then every fused configuration's, for ``m x n``."""
+    x, w, b = _layer_norm_inputs(m, n)
     g = torch.randn_like(x)
     one, cell = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
     normed, ref_mean, ref_rstd = torch.native_layer_norm(x, (n,), w, b, 1e-5)
@@ -143,49 +162,42 @@ def probe_shape(m: int, n: int, reps: int) -> None:
         ),
     }
     print(f"{m}x{n}: { ({k: round(v, 1) for k, v in rows.items()}) }", flush=True)
-    for block_m in (1, 2, 4):
-        for warps in (4, 8):
-            for programs in (132, 264, 528, 1056):
-                if programs * block_m > m or block_m * triton.next_power_of_2(n) > 128 * 32 * warps:
-                    continue  # fewer rows than programs, or over 128 values a thread
-                launch, out, mean, rstd = fused(x, w, b, block_m, warps, programs)
-                us = graph_us(launch, reps)
-                both = graph_us(lambda launch=launch: transpose_bytes(launch()), reps)
-                bad = (out.view(torch.uint8) != ref.view(torch.uint8)).sum().item()
-                d_mean = (mean - ref_mean.flatten()).abs().max().item()
-                d_rstd = ((rstd - ref_rstd.flatten()) / ref_rstd.flatten()).abs().max().item()
-                back = backward(g, x, w, ref_mean, ref_rstd, block_m, warps, programs)
-                b_us = graph_us(back, reps)
-                dx, sums = back()
-                d_dx = (dx.float() - ref_dx.float()).abs().max() / ref_dx.float().abs().max()
-                d_dw = (sums[0] - ref_dw.float()).abs().max() / ref_dw.float().abs().max()
-                print(
-                    f"  rows {block_m} warps {warps} programs {programs}: fwd {us:.1f} us, "
-                    f"+ byte transpose {both:.1f}; {bad} bytes differ, mean {d_mean:.1e}, "
-                    f"rstd {d_rstd:.1e} | bwd {b_us:.1f} us, dx {d_dx.item():.1e}, "
-                    f"dw {d_dw.item():.1e}",
-                    flush=True,
-                )
+    for block_m, warps, programs in _plans(m, n, (132, 264, 528, 1056)):
+        launch, out, mean, rstd = fused(x, w, b, block_m, warps, programs)
+        us = graph_us(launch, reps)
+        both = graph_us(lambda launch=launch: transpose_bytes(launch()), reps)
+        bad = (out.view(torch.uint8) != ref.view(torch.uint8)).sum().item()
+        d_mean = (mean - ref_mean.flatten()).abs().max().item()
+        d_rstd = ((rstd - ref_rstd.flatten()) / ref_rstd.flatten()).abs().max().item()
+        back = backward(g, x, w, ref_mean, ref_rstd, block_m, warps, programs)
+        b_us = graph_us(back, reps)
+        dx, sums = back()
+        d_dx = (dx.float() - ref_dx.float()).abs().max() / ref_dx.float().abs().max()
+        d_dw = (sums[0] - ref_dw.float()).abs().max() / ref_dw.float().abs().max()
+        print(
+            f"  rows {block_m} warps {warps} programs {programs}: fwd {us:.1f} us, "
+            f"+ byte transpose {both:.1f}; {bad} bytes differ, mean {d_mean:.1e}, "
+            f"rstd {d_rstd:.1e} | bwd {b_us:.1f} us, dx {d_dx.item():.1e}, "
+            f"dw {d_dw.item():.1e}",
+            flush=True,
+        )
 
 
 def probe_opening(m: int, n: int, reps: int) -> None:
     """Print every fused forward configuration's time as a later record and as an opening one."""
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 3 + 1
-    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1
-    print(f"{m}x{n}, default plan {norm_launch._forward_plan(m, n)}", flush=True)
-    for block_m in (1, 2, 4):
-        for warps in (4, 8):
-            for programs in (132, 198, 264, 396, 528):
-                if programs * block_m > m or block_m * triton.next_power_of_2(n) > 128 * 32 * warps:
-                    continue  # as probe_shape
-                later = graph_us(fused(x, w, b, block_m, warps, programs)[0], reps)
-                opening = graph_us(fused(x, w, b, block_m, warps, programs, True)[0], reps)
-                print(
-                    f"  rows {block_m} warps {warps} programs {programs}: later record "
-                    f"{later:.1f} us, opening {opening:.1f} us",
-                    flush=True,
-                )
+    x, w, b = _layer_norm_inputs(m, n)
+    plans = {
+        when: norm_launch._forward_plan(m, n, when == "opening") for when in ("later", "opening")
+    }
+    print(f"{m}x{n}, the plans (programs, span, rows, columns, warps): {plans}", flush=True)
+    for block_m, warps, programs in _plans(m, n, (132, 198, 264, 396, 528)):
+        later = graph_us(fused(x, w, b, block_m, warps, programs)[0], reps)
+        opening = graph_us(fused(x, w, b, block_m, warps, programs, True)[0], reps)
+        print(
+            f"  rows {block_m} warps {warps} programs {programs}: later record "
+            f"{later:.1f} us, opening {opening:.1f} us",
+            flush=True,
+        )
 
 
 def probe_rms(m: int, n: int, reps: int) -> None:
