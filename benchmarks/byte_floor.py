@@ -22,6 +22,14 @@ CUDA graph, every GEMM in FP8) and the eager 4 x 2048 step (every GEMM in FP8, a
 ``tune_fallback`` picks there). A bound below a target says no cast kernel, however fast,
 meets it while the rest of the step stays as it is. The host is left out: it only lowers
 what an eager step reaches.
+
+Small copies run below the copy rate, so each case also prints a per-launch bound
+(``bound_per_launch``): every tensor of :func:`layer_bytes`, layer by layer, moved by one
+device copy of as many bytes, the copies captured in one CUDA graph and timed back to back
+(``launch_copies_ms``). It bounds layers that launch at least one kernel per tensor, as
+fp8state's modules do: between one layer's activations and gradients stand the GEMMs,
+attention and the user's residual adds, so only the weights, cast by each module in its own
+forward, could be gathered into fewer launches, and ``bound`` still holds for that.
 """
 
 from __future__ import annotations
@@ -89,13 +97,40 @@ def copy_rate(device: torch.device) -> float:
     return best
 
 
+def launch_copies_ms(tokens: int, device: torch.device) -> float:
+    """GPU milliseconds of one device copy per tensor of :func:`layer_bytes`, every layer.
+
+    Each copy moves its tensor's bytes (read + written). One layer's buffers serve every
+    layer, so a buffer comes back only after the layer's other copies have passed through L2.
+    """
+    sizes = layer_bytes(tokens, MODEL["hidden"], MODEL["ffn"]).values()
+    buffers = [
+        (
+            torch.empty(n // 4, dtype=torch.bfloat16, device=device),
+            torch.empty(n // 4, dtype=torch.bfloat16, device=device),
+        )
+        for n in sizes
+    ]
+
+    def copies() -> None:
+        for _ in range(MODEL["layers"]):
+            for dst, src in buffers:
+                dst.copy_(src)
+
+    copies()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copies()
+    return kernel_ms(graph.replay, device, 3, 10)
+
+
 def own_ms(step: Callable[[], None]) -> float:
     """GPU milliseconds of fp8state's own kernels in one call of ``step``."""
     return sum(us for name, us in kernel_launches(step) if name in OWN_KERNELS) / 1e3
 
 
 def bench_case(batch: int, graph: bool, rate: float, device: torch.device) -> dict[str, float]:
-    """The measured ratio and the bound of one case."""
+    """The measured ratio and both bounds of one case."""
     x = torch.randn(batch, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
     x.requires_grad_()
     grad = torch.randn_like(x)
@@ -110,6 +145,7 @@ def bench_case(batch: int, graph: bool, rate: float, device: torch.device) -> di
     tokens = x.shape[:2].numel()
     moved = MODEL["layers"] * sum(layer_bytes(tokens, MODEL["hidden"], MODEL["ffn"]).values())
     at_rate = moved / rate * 1e3
+    per_launch = launch_copies_ms(tokens, device)
     return {
         "bf16_ms": round(bf16_ms, 3),
         "fp8_ms": round(fp8_ms, 3),
@@ -119,6 +155,8 @@ def bench_case(batch: int, graph: bool, rate: float, device: torch.device) -> di
         "own_tb_per_s": round(moved / (own * 1e-3) / 1e12, 3),
         "own_at_copy_rate_ms": round(at_rate, 3),
         "bound": round(bf16_ms / (fp8_ms - own + at_rate), 3),
+        "own_as_launch_copies_ms": round(per_launch, 3),
+        "bound_per_launch": round(bf16_ms / (fp8_ms - own + per_launch), 3),
     }
 
 

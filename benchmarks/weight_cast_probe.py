@@ -1,0 +1,125 @@
+"""What the weight casts cost the graphed step, and whether moving them elsewhere helps.
+
+Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repeats 2]``, one
+variant per process.
+
+The whole fwd+bwd of ``transformer.py``'s model at 1 x 2048 tokens captured in one CUDA graph
+(as ``graphed_step.py``; every GEMM in FP8), timed against bf16's graph in the same process,
+with the 64 weight casts of a step (four per layer) done one way per variant:
+
+- ``cast``: as the modules do them, each in its layer's forward (``graphed_step.py``'s step).
+- ``cached``: none. The modules reuse the FP8 weights a first micro-batch cached
+  (``is_first_microbatch=False``): the step without its weight casts.
+- ``side``: ``cached``, plus the same 64 casts (each weight cast with its transpose, its amax
+  recorded into the probe's own history) on a second stream, layer ``i`` waiting for its
+  four: whether the casts hide under the GEMMs.
+- ``grouped``: ``cached``, plus the 64 casts back to back before the forward, on the step's
+  stream (the work of ``cast``, gathered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+
+import torch
+from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
+from training_loop import graphed
+from transformer import MODEL, build_model, make_step, mark_graphed
+
+import fp8state
+from fp8state._kernels import cast_launch
+
+VARIANTS = ("cast", "cached", "side", "grouped")
+
+
+def layer_weights(model: torch.nn.Sequential) -> list[list[torch.Tensor]]:
+    """Each layer's four weights, in the order its forward casts them."""
+    return [[b.qkv.weight, b.proj.weight, b.mlp.fc1_weight, b.mlp.fc2_weight] for b in model]
+
+
+def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callable[[], None]]:
+    """Per layer, the variant's casts of that layer's weights (none for two variants).
+
+    Each is the modules' cast of a weight (with its transpose, a later record of a history),
+    into scales and a history of the probe's own, so the modules' state stays as it was.
+    """
+    if variant in ("cast", "cached"):
+        return []
+    device = weights[0][0].device
+    states = [
+        [(w, torch.ones(3, device=device), torch.ones(3, device=device)) for w in layer]
+        for layer in weights
+    ]
+    history = torch.zeros(1024, 3, device=device)
+    e4m3 = torch.float8_e4m3fn
+
+    def casts(layer: list) -> None:
+        for w, scale, scale_inv in layer:
+            cast_launch.cast_slot(
+                w, scale, scale_inv, history, 1, e4m3, transpose=True, new_step=False
+            )
+
+    return [functools.partial(casts, layer) for layer in states]
+
+
+def make_fp8_step(variant: str, model, x, grad) -> Callable[[], None]:
+    """One fwd+bwd of ``model`` with the variant's weight work."""
+    work = weight_work(variant, layer_weights(model))
+    side = torch.cuda.Stream()
+    calls = 0
+
+    def step() -> None:
+        nonlocal calls
+        calls += 1
+        # The first call (a warm-up, outside the graph) casts and caches the FP8 weights.
+        first = None if variant == "cast" else calls == 1
+        events = []
+        if variant == "side":
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for layer_work in work:
+                    layer_work()
+                    events.append(torch.cuda.Event())
+                    events[-1].record(side)
+        else:
+            for layer_work in work:
+                layer_work()
+        with fp8state.fp8_autocast():
+            h = x
+            for i, block in enumerate(model):
+                if events:
+                    torch.cuda.current_stream().wait_event(events[i])
+                h = block(h, is_first_microbatch=first)
+        if variant == "side":
+            torch.cuda.current_stream().wait_stream(side)
+        h.backward(grad)
+
+    return step
+
+
+def main() -> None:
+    """Capture the variant's step and bf16's, then print ``--repeats`` timed pairs."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variant", choices=VARIANTS)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    spin_up(device, 2.0)
+    x = torch.randn(1, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
+    x.requires_grad_()
+    grad = torch.randn_like(x)
+    model = build_model(True, device)
+    mark_graphed(model, True)
+    fp8 = graphed(make_fp8_step(args.variant, model, x, grad))
+    bf16 = graphed(make_step(build_model(False, device), x, grad, False))
+    for _ in range(args.repeats):
+        bf16_ms, fp8_ms = steady_pair_ms(bf16, fp8, device, 5, 10)
+        row = {"variant": args.variant, "bf16_ms": round(bf16_ms, 3), "fp8_ms": round(fp8_ms, 3)}
+        print(json.dumps({**row, "ratio": round(bf16_ms / fp8_ms, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
