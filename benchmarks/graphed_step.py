@@ -15,35 +15,53 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
+from torch import nn
 from training_loop import graphed
 from transformer import MODEL, build_model, make_step, mark_graphed
 
 import fp8state
 
 
-def main() -> None:
-    """Capture both steps, then print ``--repeats`` timed pairs."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tag", nargs="?", default="")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def timed_pairs(
+    fp8_step: Callable[[nn.Sequential, torch.Tensor, torch.Tensor], Callable[[], None]],
+    label: dict[str, str],
+    repeats: int,
+) -> None:
+    """Capture ``fp8_step(model, x, grad)`` and bf16's step, then print ``repeats`` pairs.
+
+    The FP8 model's layers are marked ``fp8_graphed`` (captured by hand: the modules say so);
+    each step is captured whole in one CUDA graph, and each printed JSON line starts with
+    ``label``.
+    """
     device = torch.device("cuda")
     spin_up(device, 2.0)
     x = torch.randn(1, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
     x.requires_grad_()
     grad = torch.randn_like(x)
     fp8_model = build_model(True, device)
-    mark_graphed(fp8_model, True)  # captured by hand: the modules say so
-    fp8 = graphed(make_step(fp8_model, x, grad, True))
+    mark_graphed(fp8_model, True)
+    fp8 = graphed(fp8_step(fp8_model, x, grad))
     bf16 = graphed(make_step(build_model(False, device), x, grad, False))
     print("library:", fp8state.__file__, flush=True)
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         bf16_ms, fp8_ms = steady_pair_ms(bf16, fp8, device, 5, 10)
-        row = {"tag": args.tag, "bf16_ms": round(bf16_ms, 3), "fp8_ms": round(fp8_ms, 3)}
+        row = {**label, "bf16_ms": round(bf16_ms, 3), "fp8_ms": round(fp8_ms, 3)}
         print(json.dumps({**row, "ratio": round(bf16_ms / fp8_ms, 3)}), flush=True)
+
+
+def main() -> None:
+    """Time the model's graphed step as the modules run it, ``--repeats`` times."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tag", nargs="?", default="")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    timed_pairs(
+        lambda model, x, grad: make_step(model, x, grad, True), {"tag": args.tag}, args.repeats
+    )
 
 
 if __name__ == "__main__":

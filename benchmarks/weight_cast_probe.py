@@ -4,8 +4,8 @@ Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repea
 variant per process.
 
 The whole fwd+bwd of ``transformer.py``'s model at 1 x 2048 tokens captured in one CUDA graph
-(as ``graphed_step.py``; every GEMM in FP8), timed against bf16's graph in the same process,
-with the 64 weight casts of a step (four per layer) done one way per variant:
+(``graphed_step.timed_pairs``; every GEMM in FP8), timed against bf16's graph in the same
+process, with the 64 weight casts of a step (four per layer) done one way per variant:
 
 - ``cast``: as the modules do them, each in its layer's forward (``graphed_step.py``'s step).
 - ``cached``: none. The modules reuse the FP8 weights a first micro-batch cached
@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections.abc import Callable
 
 import torch
-from hopper import spin_up, steady_pair_ms  # benchmarks/ is on sys.path as a script
-from training_loop import graphed
-from transformer import MODEL, build_model, make_step, mark_graphed
+from graphed_step import timed_pairs  # benchmarks/ is on sys.path as a script
 
 import fp8state
 from fp8state._kernels import cast_launch
@@ -101,24 +98,13 @@ def make_fp8_step(variant: str, model, x, grad) -> Callable[[], None]:
 
 
 def main() -> None:
-    """Capture the variant's step and bf16's, then print ``--repeats`` timed pairs."""
+    """Time the variant's step against bf16's, ``--repeats`` times."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    spin_up(device, 2.0)
-    x = torch.randn(1, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
-    x.requires_grad_()
-    grad = torch.randn_like(x)
-    model = build_model(True, device)
-    mark_graphed(model, True)
-    fp8 = graphed(make_fp8_step(args.variant, model, x, grad))
-    bf16 = graphed(make_step(build_model(False, device), x, grad, False))
-    for _ in range(args.repeats):
-        bf16_ms, fp8_ms = steady_pair_ms(bf16, fp8, device, 5, 10)
-        row = {"variant": args.variant, "bf16_ms": round(bf16_ms, 3), "fp8_ms": round(fp8_ms, 3)}
-        print(json.dumps({**row, "ratio": round(bf16_ms / fp8_ms, 3)}), flush=True)
+    step = functools.partial(make_fp8_step, args.variant)
+    timed_pairs(step, {"variant": args.variant}, args.repeats)
 
 
 if __name__ == "__main__":
