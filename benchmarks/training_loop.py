@@ -13,7 +13,10 @@ the same process (> 1: FP8 is faster):
 - ``model_h2048_speedup``: 16 pre-LN layers of hidden 2048, ffn 8192, 16 heads, SDPA
   attention; per layer ``LayerNormLinear`` (qkv), ``Linear`` (projection), ``LayerNormMLP``
   against the same layers from ``torch.nn``; fwd+bwd of ``eager_1x2048``, ``eager_4x2048``
-  tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``),
+  tokens, ``graphed_1x2048`` (the whole step in one ``torch.cuda.CUDAGraph``; the gradients
+  accumulate from step to step, as in every mode here but one), ``graphed_fresh_1x2048`` (the
+  same with the gradients set to None before each step, as ``zero_grad()`` does by default
+  and torch's whole-network capture before capturing: backward writes them, no add),
   ``graphed_layers_1x2048`` (each layer graphed by ``fp8state.make_graphed_callables``,
   against ``torch.cuda.make_graphed_callables`` for bf16), ``graphed_layers_cached_1x2048``
   (the same with ``fp8_weight_caching``: four micro-batches per optimizer step, the FP8
@@ -168,6 +171,9 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
                 lambda: _pair(graphed(floor_model_step(floor, x, grad)), bf16_graphed, device, args)
             )
             del floor
+            result[f"graphed_fresh_{tag}"] = guarded(
+                lambda: _graphed_fresh(models, x, grad, device, args)
+            )
         mark_graphed(models[True], False)  # compiled steps queue launches as eager ones do
         result[f"graphed_layers_{tag}"] = guarded(lambda: _graphed_layers(x, grad, device, args))
         result[f"graphed_layers_cached_{tag}"] = guarded(
@@ -183,6 +189,23 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
         lambda: _pair(floor_model_step(floor, x, grad), compiled[False], device, args)
     )
     return counts if isinstance(counts, dict) else {"compile_error": counts}
+
+
+def _graphed_fresh(models: dict, x: torch.Tensor, grad: torch.Tensor, device, args) -> float:
+    """Both whole-step graphs, each step setting its gradients to None first.
+
+    Each model gets an input leaf of its own, and FP8's graph is captured first. The
+    gradients are set to None again afterwards, out of the graphs' memory.
+    """
+    steps = [
+        make_step(models[fp8], x.detach().clone().requires_grad_(), grad, fp8, fresh_grads=True)
+        for fp8 in (True, False)
+    ]
+    fp8_graph = graphed(steps[0])
+    ratio = _pair(fp8_graph, graphed(steps[1]), device, args)
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+    return ratio
 
 
 def _graphed_layers(

@@ -103,10 +103,19 @@ def mark_graphed(model: nn.Module, graphed: bool) -> None:
             module.fp8_graphed = graphed
 
 
-def make_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) -> Callable:
-    """One fwd+bwd; gradients accumulate (no optimizer), the same for both models."""
+def make_step(
+    model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool, fresh_grads: bool = False
+) -> Callable:
+    """One fwd+bwd, the same for both models.
+
+    Gradients accumulate from step to step (no optimizer), unless ``fresh_grads``: then each
+    step first sets them to None (:func:`clear_grads`), and backward writes them instead of
+    adding to them.
+    """
 
     def step() -> None:
+        if fresh_grads:
+            clear_grads(model, x)
         if fp8:
             with fp8state.fp8_autocast():
                 y = model(x)
@@ -115,3 +124,14 @@ def make_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool) 
         y.backward(grad)
 
     return step
+
+
+def clear_grads(model: nn.Module, x: torch.Tensor) -> None:
+    """Set the gradients of ``model`` and of its input ``x`` to None.
+
+    What ``zero_grad()`` does by default before each step of a training loop, and what torch's
+    whole-network CUDA-graph capture does before capturing: the captured backward then writes
+    fresh gradients into the graph's own memory on every replay, with no add.
+    """
+    model.zero_grad(set_to_none=True)
+    x.grad = None

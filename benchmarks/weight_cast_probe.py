@@ -1,11 +1,12 @@
 """What the weight casts cost the graphed step, and whether moving them elsewhere helps.
 
-Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repeats 2]``, one
-variant per process.
+Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repeats 2]
+[--fresh-grads]``, one variant per process.
 
 The whole fwd+bwd of ``transformer.py``'s model at 1 x 2048 tokens captured in one CUDA graph
-(``graphed_step.timed_pairs``; every GEMM in FP8), timed against bf16's graph in the same
-process, with the 64 weight casts of a step (four per layer) done one way per variant:
+(``graphed_step.timed_pairs``; every GEMM in FP8; ``--fresh-grads``: gradients set to None
+before each step, as there), timed against bf16's graph in the same process, with the 64
+weight casts of a step (four per layer) done one way per variant:
 
 - ``cast``: as the modules do them, each in its layer's forward (``graphed_step.py``'s step).
 - ``cached``: none. The modules reuse the FP8 weights a first micro-batch cached
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 from graphed_step import timed_pairs  # benchmarks/ is on sys.path as a script
+from transformer import clear_grads
 
 import fp8state
 from fp8state._kernels import cast_launch
@@ -62,8 +64,8 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
     return [functools.partial(casts, layer) for layer in states]
 
 
-def make_fp8_step(variant: str, model, x, grad) -> Callable[[], None]:
-    """One fwd+bwd of ``model`` with the variant's weight work."""
+def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], None]:
+    """One fwd+bwd of ``model`` with the variant's weight work (``fresh``: grads set to None)."""
     work = weight_work(variant, layer_weights(model))
     side = torch.cuda.Stream()
     calls = 0
@@ -73,6 +75,8 @@ def make_fp8_step(variant: str, model, x, grad) -> Callable[[], None]:
         calls += 1
         # The first call (a warm-up, outside the graph) casts and caches the FP8 weights.
         first = None if variant == "cast" else calls == 1
+        if fresh:
+            clear_grads(model, x)
         events = []
         if variant == "side":
             side.wait_stream(torch.cuda.current_stream())
@@ -102,9 +106,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fresh-grads", action="store_true")
     args = parser.parse_args()
     step = functools.partial(make_fp8_step, args.variant)
-    timed_pairs(step, {"variant": args.variant}, args.repeats)
+    label = {"variant": args.variant, "fresh_grads": args.fresh_grads}
+    timed_pairs(step, label, args.repeats, args.fresh_grads)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import torch
 from _helpers.paths import REPO_ROOT
 
 KEYS = {
@@ -257,3 +258,25 @@ def test_untrusted_load_benchmark_runs() -> None:
     assert result["tensors"] == 8 and result["bytes"] == 8 * 16 * 4
     assert result["dcp"]["ratio"] > 0 < result["dcp"]["ratio_trusted"]
     assert result["file"]["ratio"] > 0
+
+
+def test_model_step_accumulates_gradients_unless_asked_for_fresh_ones() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the scripts run
+    try:
+        from transformer import build_model, make_step
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    shape = {"layers": 1, "hidden": 32, "ffn": 64, "heads": 2}
+    model = build_model(False, torch.device("cpu"), **shape)
+    x = torch.randn(1, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def tensors() -> list[torch.Tensor]:
+        return [*(p.grad for p in model.parameters()), x.grad]
+
+    make_step(model, x, grad, False)()
+    once = [t.clone() for t in tensors()]
+    make_step(model, x, grad, False)()  # a second step adds to the first's
+    assert all(torch.equal(t, 2 * g) for t, g in zip(tensors(), once, strict=True))
+    make_step(model, x, grad, False, fresh_grads=True)()  # from None: one step's again
+    assert all(torch.equal(t, g) for t, g in zip(tensors(), once, strict=True))
