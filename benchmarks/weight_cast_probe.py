@@ -1,7 +1,7 @@
 """What the weight casts cost the graphed step, and whether moving them elsewhere helps.
 
 Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repeats 2]
-[--fresh-grads]``, one variant per process.
+[--fresh-grads] [--gaps]``, one variant per process.
 
 The whole fwd+bwd of ``transformer.py``'s model at 1 x 2048 tokens captured in one CUDA graph
 (``graphed_step.timed_pairs``; every GEMM in FP8; ``--fresh-grads``: gradients set to None
@@ -16,17 +16,24 @@ weight casts of a step (four per layer) done one way per variant:
   four: whether the casts hide under the GEMMs.
 - ``grouped``: ``cached``, plus the 64 casts back to back before the forward, on the step's
   stream (the work of ``cast``, gathered).
+
+``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
+how much of the step the GPU spends between kernels.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 from collections.abc import Callable
 
 import torch
 from graphed_step import timed_pairs  # benchmarks/ is on sys.path as a script
-from transformer import clear_grads
+from hopper import kernel_ms, spin_up
+from model_kernels import kernel_launches
+from training_loop import graphed
+from transformer import MODEL, build_model, clear_grads, mark_graphed
 
 import fp8state
 from fp8state._kernels import cast_launch
@@ -101,13 +108,47 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
     return step
 
 
+def gaps(variant: str, fresh: bool) -> dict[str, object]:
+    """The variant's FP8 step graphed, against the sum of its kernels: the graph's idle time.
+
+    The kernels are profiled in an eager call of the step (``model_kernels.kernel_launches``,
+    after its warm-up calls), then the step is captured and its replays timed back to back.
+    """
+    device = torch.device("cuda")
+    spin_up(device, 2.0)
+    x = torch.randn(1, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
+    model = build_model(True, device)
+    mark_graphed(model, True)
+    step = make_fp8_step(variant, model, x.clone().requires_grad_(), torch.randn_like(x), fresh)
+    launches = kernel_launches(step)
+    kernels = sum(us for _, us in launches) / 1e3
+    casts = [us for name, us in launches if name == "cast_kernel"]
+    graph_ms = kernel_ms(graphed(step), device, 5, 20)
+    return {
+        "variant": variant,
+        "fresh_grads": fresh,
+        "graphed_ms": round(graph_ms, 3),
+        "kernels_ms": round(kernels, 3),
+        "idle_ms": round(graph_ms - kernels, 3),
+        "launches": len(launches),
+        "cast_kernels": len(casts),
+        "cast_kernels_ms": round(sum(casts) / 1e3, 3),
+    }
+
+
 def main() -> None:
     """Time the variant's step against bf16's, ``--repeats`` times."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fresh-grads", action="store_true")
+    parser.add_argument(
+        "--gaps", action="store_true", help="the FP8 graph's time against its kernels' instead"
+    )
     args = parser.parse_args()
+    if args.gaps:
+        print(json.dumps(gaps(args.variant, args.fresh_grads)), flush=True)
+        return
     step = functools.partial(make_fp8_step, args.variant)
     label = {"variant": args.variant, "fresh_grads": args.fresh_grads}
     timed_pairs(step, label, args.repeats, args.fresh_grads)
