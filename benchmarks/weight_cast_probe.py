@@ -18,7 +18,7 @@ weight casts of a step (four per layer) done one way per variant:
   stream (the work of ``cast``, gathered).
 
 ``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
-how much of the step the GPU spends between kernels.
+how much of the step the GPU spends between kernels (not for ``side``, whose kernels overlap).
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ def main() -> None:
         "--gaps", action="store_true", help="the FP8 graph's time against its kernels' instead"
     )
     args = parser.parse_args()
+    if args.gaps and args.variant == "side":
+        parser.error("--gaps sums kernels on one stream; side runs two")
     if args.gaps:
         print(json.dumps(gaps(args.variant, args.fresh_grads)), flush=True)
         return
