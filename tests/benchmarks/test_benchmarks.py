@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
 import sys
+from types import ModuleType
 
 import torch
 from _helpers.paths import REPO_ROOT
@@ -23,6 +25,15 @@ KEYS = {
     "gpu",
     "command",
 }
+
+
+def _benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/NAME.py`` imported as its script sees its neighbours (on ``sys.path``)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
 
 
 def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
@@ -58,11 +69,7 @@ def test_hopper_benchmark_quick_run_writes_every_key(tmp_path) -> None:
 
 
 def test_peak_memory_replay_finds_the_blocks_alive_at_the_peak() -> None:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the script runs
-    try:
-        from peak_memory import peak_blocks
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    peak_blocks = _benchmark_module("peak_memory").peak_blocks
     events = [
         {"action": "alloc", "addr": 1, "size": 10},
         {"action": "alloc", "addr": 2, "size": 5},
@@ -212,11 +219,8 @@ def test_fallback_probe_host_mode_runs_on_cpu() -> None:
 
 
 def test_byte_floor_counts_every_cast_and_filters_on_fp8states_kernels() -> None:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the script runs
-    try:
-        from byte_floor import OWN_KERNELS, layer_bytes
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    byte_floor = _benchmark_module("byte_floor")
+    OWN_KERNELS, layer_bytes = byte_floor.OWN_KERNELS, byte_floor.layer_bytes
     t, h, f = 2048, 1024, 4096
     counted = layer_bytes(t, h, f)
     # Eleven casts of a bf16 operand into both FP8 layouts (4 bytes an element), GELU's
@@ -261,11 +265,8 @@ def test_untrusted_load_benchmark_runs() -> None:
 
 
 def test_model_step_accumulates_gradients_unless_asked_for_fresh_ones() -> None:
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # as when the scripts run
-    try:
-        from transformer import build_model, make_step
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    transformer = _benchmark_module("transformer")
+    build_model, make_step = transformer.build_model, transformer.make_step
     shape = {"layers": 1, "hidden": 32, "ffn": 64, "heads": 2}
     model = build_model(False, torch.device("cpu"), **shape)
     x = torch.randn(1, 8, 32, dtype=torch.bfloat16, requires_grad=True)
