@@ -8,9 +8,12 @@ passes of 1 x ``--tokens`` tokens, each under its own ``fp8_autocast``, every GE
 (``hopper.steady_pair_ms``), per mode (eager; compiled in Inductor's default mode): the step
 with the weights cast in every micro-batch (no ``is_first_microbatch``) against the step that
 casts them in the first and reuses the cached copies after (True, then False). Compiled,
-the graph gets copies of the cached tensors (docs/compile.md). Records
-``microbatch_caching_1x2048``: per mode, time without caching / time with (above 1: caching
-pays), and both times in ms. ``--quick`` (tiny model, CPU too) tests the script.
+the graph gets copies of the cached tensors (docs/compile.md). Mode ``eager_ahead``: the
+cached step is one ``fp8_autocast`` around all the micro-batches with their forwards in a
+``fp8state.cast_weights_ahead`` block (every weight cast before the first micro-batch, no
+argument passed), against the same uncached step. Records ``microbatch_caching_1x2048``:
+per mode, time without caching / time with (above 1: caching pays), and both times in ms.
+``--quick`` (tiny model, CPU too) tests the script.
 """
 
 from __future__ import annotations
@@ -52,6 +55,21 @@ def _step(
     return step
 
 
+def _ahead_step(
+    model: torch.nn.Module, xs: list[torch.Tensor], grad: torch.Tensor
+) -> Callable[[], None]:
+    """The micro-batches of :func:`_step` under one ``fp8_autocast``, weights cast ahead."""
+    tokens = xs[0].shape[:-1].numel()
+
+    def step() -> None:
+        with fp8state.fp8_autocast(), fp8state.cast_weights_ahead(model, tokens=tokens):
+            for x in xs:
+                _layers(model, x, None).backward(grad)
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)
@@ -75,9 +93,14 @@ def main(argv: list[str] | None = None) -> dict:
     grad = torch.randn_like(xs[0])
     spin_up(device, 0 if args.quick else 5)
     result: dict[str, dict[str, float]] = {}
-    for mode, run in (("eager", _layers), ("compiled", torch.compile(_layers))):
+    modes = (("eager", _layers), ("eager_ahead", _layers), ("compiled", torch.compile(_layers)))
+    for mode, run in modes:
         every = _step(run, model, xs, grad, cached=False)
-        cached = _step(run, model, xs, grad, cached=True)
+        cached = (
+            _ahead_step(model, xs, grad)
+            if mode == "eager_ahead"
+            else _step(run, model, xs, grad, cached=True)
+        )
         warmup, blocks = (1, 1) if args.quick else (3, args.blocks)
         t_every, t_cached = steady_pair_ms(every, cached, device, warmup, blocks)
         result[mode] = {

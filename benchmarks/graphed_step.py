@@ -1,6 +1,7 @@
 """The whole graphed step of the 16-layer model against bf16's, a few times in one process.
 
-Usage (CUDA): ``python benchmarks/graphed_step.py [TAG] [--repeats 3] [--fresh-grads]``.
+Usage (CUDA): ``python benchmarks/graphed_step.py [TAG] [--repeats 3] [--fresh-grads]
+[--ahead]``.
 
 ``training_loop.py``'s ``graphed_1x2048`` alone, without the rest of that run: one fwd+bwd
 of ``transformer.py``'s model at 1 x 2048 tokens captured whole in one CUDA graph
@@ -9,7 +10,9 @@ against the bf16 model's graph, timed by ``hopper.steady_pair_ms`` (5 warm-up bl
 timed) ``--repeats`` times. The gradients accumulate from replay to replay, or with
 ``--fresh-grads`` are set to None before each capture (``transformer.clear_grads``), so the
 graphs write them afresh, as a loop that zeroes its gradients the default way runs. Each model
-has an input leaf of its own. Meant for A/B runs of two copies of the library, alternated in
+has an input leaf of its own. ``--ahead``: fp8state's forward runs in a
+``fp8state.cast_weights_ahead`` block (every weight cast before the first layer, inside the
+graph). Meant for A/B runs of two copies of the library, alternated in
 separate processes (``PYTHONPATH=<copy> python benchmarks/graphed_step.py base``): each line
 prints the TAG, both times and the ratio.
 """
@@ -17,6 +20,7 @@ prints the TAG, both times and the ratio.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 
@@ -56,10 +60,10 @@ def timed_pairs(fp8_step: FP8Step, label: dict[str, object], repeats: int, fresh
 
 
 def modules_step(
-    model: nn.Sequential, x: torch.Tensor, grad: torch.Tensor, fresh: bool
+    model: nn.Sequential, x: torch.Tensor, grad: torch.Tensor, fresh: bool, ahead: bool = False
 ) -> Callable[[], None]:
-    """The FP8 model's step as the modules run it."""
-    return make_step(model, x, grad, True, fresh)
+    """The FP8 model's step as the modules run it (``ahead``: in a cast_weights_ahead block)."""
+    return make_step(model, x, grad, True, fresh, ahead)
 
 
 def main() -> None:
@@ -68,9 +72,11 @@ def main() -> None:
     parser.add_argument("tag", nargs="?", default="")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fresh-grads", action="store_true")
+    parser.add_argument("--ahead", action="store_true", help="weights cast ahead")
     args = parser.parse_args()
-    label = {"tag": args.tag, "fresh_grads": args.fresh_grads}
-    timed_pairs(modules_step, label, args.repeats, args.fresh_grads)
+    label = {"tag": args.tag, "fresh_grads": args.fresh_grads, "ahead": args.ahead}
+    step = functools.partial(modules_step, ahead=args.ahead)
+    timed_pairs(step, label, args.repeats, args.fresh_grads)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ the same process (> 1: FP8 is faster):
   accumulate from step to step, as in every mode here but one), ``graphed_fresh_1x2048`` (the
   same with the gradients set to None before each step, as ``zero_grad()`` does by default
   and torch's whole-network capture before capturing: backward writes them, no add),
+  ``graphed_fresh_ahead_1x2048`` (that step with fp8state's forward in a
+  ``fp8state.cast_weights_ahead`` block: the weights cast together before the first layer),
   ``graphed_layers_1x2048`` (each layer graphed by ``fp8state.make_graphed_callables``,
   against ``torch.cuda.make_graphed_callables`` for bf16), ``graphed_layers_cached_1x2048``
   (the same with ``fp8_weight_caching``: four micro-batches per optimizer step, the FP8
@@ -174,6 +176,9 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
             result[f"graphed_fresh_{tag}"] = guarded(
                 lambda: _graphed_fresh(models, x, grad, device, args)
             )
+            result[f"graphed_fresh_ahead_{tag}"] = guarded(
+                lambda: _graphed_fresh(models, x, grad, device, args, ahead=True)
+            )
         mark_graphed(models[True], False)  # compiled steps queue launches as eager ones do
         result[f"graphed_layers_{tag}"] = guarded(lambda: _graphed_layers(x, grad, device, args))
         result[f"graphed_layers_cached_{tag}"] = guarded(
@@ -191,14 +196,17 @@ def _other_modes(models, steps, x, grad, device, args, result) -> dict:
     return counts if isinstance(counts, dict) else {"compile_error": counts}
 
 
-def _graphed_fresh(models: dict, x: torch.Tensor, grad: torch.Tensor, device, args) -> float:
+def _graphed_fresh(
+    models: dict, x: torch.Tensor, grad: torch.Tensor, device, args, ahead: bool = False
+) -> float:
     """Both whole-step graphs, each step setting its gradients to None first.
 
     Each model gets an input leaf of its own, and FP8's graph is captured first. The
-    gradients are set to None again afterwards, out of the graphs' memory.
+    gradients are set to None again afterwards, out of the graphs' memory. ``ahead``: FP8's
+    forward runs in a ``fp8state.cast_weights_ahead`` block.
     """
     steps = [
-        make_step(models[fp8], x.detach().clone().requires_grad_(), grad, fp8, fresh_grads=True)
+        make_step(models[fp8], x.detach().clone().requires_grad_(), grad, fp8, True, ahead and fp8)
         for fp8 in (True, False)
     ]
     fp8_graph = graphed(steps[0])

@@ -104,19 +104,29 @@ def mark_graphed(model: nn.Module, graphed: bool) -> None:
 
 
 def make_step(
-    model: nn.Module, x: torch.Tensor, grad: torch.Tensor, fp8: bool, fresh_grads: bool = False
+    model: nn.Module,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    fp8: bool,
+    fresh_grads: bool = False,
+    ahead: bool = False,
 ) -> Callable:
     """One fwd+bwd, the same for both models.
 
     Gradients accumulate from step to step (no optimizer), unless ``fresh_grads``: then each
     step first sets them to None (:func:`clear_grads`), and backward writes them instead of
-    adding to them.
+    adding to them. ``ahead`` (FP8 only): the forward runs in a
+    ``fp8state.cast_weights_ahead`` block, every weight cast before the first layer.
     """
+    tokens = x.shape[:-1].numel()
 
     def step() -> None:
         if fresh_grads:
             clear_grads(model, x)
-        if fp8:
+        if fp8 and ahead:
+            with fp8state.fp8_autocast(), fp8state.cast_weights_ahead(model, tokens=tokens):
+                y = model(x)
+        elif fp8:
             with fp8state.fp8_autocast():
                 y = model(x)
         else:

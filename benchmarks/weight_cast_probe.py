@@ -16,6 +16,9 @@ weight casts of a step (four per layer) done one way per variant:
   four: whether the casts hide under the GEMMs.
 - ``grouped``: ``cached``, plus the 64 casts back to back before the forward, on the step's
   stream (the work of ``cast``, gathered).
+- ``ahead``: the library's way to gather them, the forward in a ``fp8state.cast_weights_ahead``
+  block (the casts record into the modules' own histories, the first of each module opening
+  its step).
 
 ``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
 how much of the step the GPU spends between kernels (not for ``side``, whose kernels overlap).
@@ -24,9 +27,10 @@ how much of the step the GPU spends between kernels (not for ``side``, whose ker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from graphed_step import timed_pairs  # benchmarks/ is on sys.path as a script
@@ -38,7 +42,7 @@ from transformer import MODEL, build_model, clear_grads, mark_graphed
 import fp8state
 from fp8state._kernels import cast_launch
 
-VARIANTS = ("cast", "cached", "side", "grouped")
+VARIANTS = ("cast", "cached", "side", "grouped", "ahead")
 
 
 def layer_weights(model: torch.nn.Sequential) -> list[list[torch.Tensor]]:
@@ -52,7 +56,7 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
     Each is the modules' cast of a weight (with its transpose, a later record of a history),
     into scales and a history of the probe's own, so the modules' state stays as it was.
     """
-    if variant in ("cast", "cached"):
+    if variant in ("cast", "cached", "ahead"):
         return []
     device = weights[0][0].device
     states = [
@@ -71,17 +75,23 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
     return [functools.partial(casts, layer) for layer in states]
 
 
+@contextlib.contextmanager
+def _nothing_ahead(model: torch.nn.Module, tokens: int) -> Iterator[None]:
+    yield
+
+
 def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], None]:
     """One fwd+bwd of ``model`` with the variant's weight work (``fresh``: grads set to None)."""
     work = weight_work(variant, layer_weights(model))
     side = torch.cuda.Stream()
     calls = 0
+    ahead = fp8state.cast_weights_ahead if variant == "ahead" else _nothing_ahead
 
     def step() -> None:
         nonlocal calls
         calls += 1
         # The first call (a warm-up, outside the graph) casts and caches the FP8 weights.
-        first = None if variant == "cast" else calls == 1
+        first = None if variant in ("cast", "ahead") else calls == 1
         if fresh:
             clear_grads(model, x)
         events = []
@@ -95,7 +105,7 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
         else:
             for layer_work in work:
                 layer_work()
-        with fp8state.fp8_autocast():
+        with fp8state.fp8_autocast(), ahead(model, tokens=x.shape[:-1].numel()):
             h = x
             for i, block in enumerate(model):
                 if events:

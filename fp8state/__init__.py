@@ -17,6 +17,7 @@ from fp8state.modules import Conv1D, LayerNorm, LayerNormLinear, LayerNormMLP, L
 from fp8state.recalibration import CalibrationReport, recalibrate
 from fp8state.recipe import DelayedScaling
 from fp8state.tuning import FallbackTuning, tune_fallback
+from fp8state.weights_ahead import cast_weights_ahead
 
 __all__ = [
     "__version__",
@@ -35,6 +36,7 @@ __all__ = [
     "autocast_forward",
     "activation_checkpoint",
     "make_graphed_callables",
+    "cast_weights_ahead",
     "export_fp8",
     "convert_model",
     "plan_conversion",

@@ -31,7 +31,7 @@ from fp8state.slots import Direction
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["PendingSteps", "reduce_and_update", "should_reduce", "tables_kept"]
+__all__ = ["PendingSteps", "open_steps", "reduce_and_update", "should_reduce", "tables_kept"]
 
 _Key = tuple[DelayedScaling, "ProcessGroup | None", torch.device]
 
@@ -95,7 +95,7 @@ def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
     for (recipe, group, device), members in pending.groups.items():
         modules = list(members.values())
         if should_reduce(group):
-            _open_unrecorded(direction, modules)
+            open_steps(direction, modules)
             rows = [m.fp8_meta(direction).amax_history[0] for m in modules]
             flat = torch.cat(rows)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
@@ -108,13 +108,16 @@ def reduce_and_update(direction: Direction, pending: PendingSteps) -> None:
             modules[0].fp8_update_scales(direction, recipe)
 
 
-def _open_unrecorded(direction: Direction, modules: list[FP8Friend]) -> None:
-    """Open the step of modules registered without recording: their row 0 becomes zeros.
+def open_steps(direction: Direction, modules: list[FP8Friend]) -> None:
+    """Open ``direction``'s step of every module that has not recorded in it: row 0 zeros.
 
-    A GEMM that fell back registers its module without recording, so that every rank reduces
-    the same modules (:mod:`fp8state.functional._take_part`); where nothing else of the
-    module recorded in the step, its history shifts here as a record would have shifted it,
-    for all such modules in a few launches. The zero row is the neutral element of MAX.
+    Each history shifts as its step's first record would have shifted it, all in a few
+    launches, and the module's next record max-combines into the zero row (the neutral
+    element of MAX) as a later record of the step does: the same bits as without this call.
+    Used for modules registered without recording, so that every rank reduces the same
+    modules (a GEMM that fell back, :mod:`fp8state.functional._take_part`), and by
+    ``cast_weights_ahead`` for the modules it casts (one cheap opening for all, where each
+    cast that opened its step would shift its history itself).
     """
     unrecorded = [m for m in modules if m._fp8_opens_step(direction)]
     if not unrecorded:

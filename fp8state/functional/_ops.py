@@ -53,15 +53,15 @@ def _forward(module: FP8StateMixin, what: str, context: int, register: bool) -> 
             "Checkpoint eagerly with fp8state.functional.activation_checkpoint, or compile "
             "the blocks without checkpointing them.",
         )
-    if microbatch.first_microbatch(None) is not None:
+    if microbatch.first_microbatch(None) is not None or microbatch.casting_ahead():
         raise ConfigError(
             f"{type(module).__name__} ({what})",
             "a compiled FP8 call while is_first_microbatch is in force (graphs captured with "
-            "fp8_weight_caching, or their eager calls)",
-            "no compiled FP8 call inside such a capture (the flag a capture assumes never "
+            "fp8_weight_caching, their eager calls, or a cast_weights_ahead block)",
+            "no compiled FP8 call inside such a capture or block (the flag they assume never "
             "reaches a compiled call, whether or not the call passes is_first_microbatch)",
-            "Call the module uncompiled inside graphs with FP8 weight caching, or graph "
-            "without fp8_weight_caching.",
+            "Call the module uncompiled there, or graph without fp8_weight_caching and "
+            "compile without cast_weights_ahead.",
         )
     if register:  # under an fp8_autocast entered before the graph ran
         if autocast.active_context() is None:  # pragma: no cover - the graph's guards

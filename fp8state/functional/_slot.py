@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8state._runtime import norm_cast
+from fp8state._runtime import microbatch, norm_cast
 from fp8state._runtime.forward_record import ForwardRecord
 from fp8state._runtime.friend import CachedWeight
 from fp8state._runtime.slot_cast import cast_slot
@@ -119,8 +119,11 @@ def weight_for(
     ``module.fp8_weight_cache[gemm]``, recording nothing, and only a copy that has the layouts
     the call needs (one cast without gradients has no transpose). Every other call casts with
     the slot's scale and records the weight's amax; one that was given
-    ``is_first_microbatch`` keeps what it cast in the cache.
+    ``is_first_microbatch`` keeps what it cast in the cache. Inside a ``cast_weights_ahead``
+    block, a weight it cast is reused whatever the call was given.
     """
+    if microbatch.reuses_ahead(module, gemm):
+        is_first_microbatch = False
     cached = module.fp8_weight_cache.get(gemm) if is_first_microbatch is False else None
     if cached is not None and (cached[1] is not None or not transpose):
         return cached, True

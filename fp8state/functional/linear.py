@@ -38,7 +38,14 @@ from fp8state.mixin import FP8StateMixin
 from fp8state.quantize import finite_amax
 from fp8state.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
-__all__ = ["linear", "fp8_backend", "as_2d", "like_input"]
+__all__ = [
+    "linear",
+    "fp8_backend",
+    "runs_in_fp8",
+    "cast_weight_ahead",
+    "as_2d",
+    "like_input",
+]
 
 
 def linear(
@@ -152,6 +159,30 @@ def fp8_backend(
     backend = resolve_backend(ctx.gemm_backend, inp.device)
     threshold = min_gemm_macs(backend, module.fp8_min_gemm_macs, module.fp8_graphed)
     return None if macs < threshold else backend
+
+
+def runs_in_fp8(
+    module: FP8StateMixin, ctx: autocast.FP8Context, weight: torch.Tensor, tokens: int
+) -> bool:
+    """Whether a call of ``tokens`` rows multiplies ``weight`` in FP8 under ``ctx``.
+
+    Not where its multiply-accumulates fall below the module's threshold: such a call runs
+    in high precision (:func:`fp8_backend`).
+    """
+    return fp8_backend(module, ctx, weight, tokens * weight.numel()) is not None
+
+
+def cast_weight_ahead(
+    module: FP8StateMixin, ctx: autocast.FP8Context, gemm: int, weight: torch.Tensor
+) -> None:
+    """Cast GEMM ``gemm``'s weight as a first micro-batch's FP8 call would, and keep it.
+
+    The cast of ``weight_for(..., is_first_microbatch=True)``: the slot's scale, its amax
+    recorded, the copy kept in ``module.fp8_weight_cache`` (with its transpose where gradients
+    are enabled) for the calls that reuse it.
+    """
+    dtype = ctx.recipe.fp8_format.dtype("fwd")
+    weight_for(module, gemm, weight.detach(), dtype, torch.is_grad_enabled(), True)
 
 
 def _cast_weight(

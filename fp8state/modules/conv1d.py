@@ -101,6 +101,10 @@ class Conv1D(FP8StateMixin):
         out = _fp8_linear.linear(self, inp_2d, self.weight.t(), self.bias, 0, is_first_microbatch)
         return out.view(*inp.shape[:-1], self.nf)
 
+    def fp8_gemm_weights(self) -> tuple[torch.Tensor, ...]:
+        """As :meth:`fp8state.Linear.fp8_gemm_weights`: ``weight.t()``, as the GEMM takes it."""
+        return (self.weight.t(),)  # the GEMM is Linear's, fed the (nf, nx) view
+
     def extra_repr(self) -> str:
         """Sizes, in Hugging Face's order."""
         return f"nf={self.nf}, nx={self.nx}, bias={self.bias is not None}"

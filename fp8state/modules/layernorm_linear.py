@@ -95,6 +95,10 @@ class LayerNormLinear(FP8StateMixin):
         out = _fp8_linear.linear(self, normed, self.weight, self.bias, 0, is_first_microbatch)
         return (out, normed) if self.return_layernorm_output else out
 
+    def fp8_gemm_weights(self) -> tuple[torch.Tensor, ...]:
+        """As :meth:`fp8state.Linear.fp8_gemm_weights`: the one GEMM's ``weight``."""
+        return (self.weight,)
+
     def extra_repr(self) -> str:
         """Shapes and the norm, as ``nn.Linear`` and the norms print them."""
         return (

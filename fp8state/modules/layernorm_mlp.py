@@ -158,6 +158,10 @@ class LayerNormMLP(FP8StateMixin):
         )
         return (out, normed) if self.return_layernorm_output else out
 
+    def fp8_gemm_weights(self) -> tuple[torch.Tensor, ...]:
+        """As :meth:`fp8state.Linear.fp8_gemm_weights`: fc1's weight, then fc2's."""
+        return (self.fc1_weight, self.fc2_weight)
+
     def extra_repr(self) -> str:
         """Sizes, norm and activation."""
         return (

@@ -66,6 +66,14 @@ class Linear(FP8StateMixin):
         """
         return _fp8_linear.linear(self, inp, self.weight, self.bias, 0, is_first_microbatch)
 
+    def fp8_gemm_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weight each GEMM multiplies with, by GEMM index, as the forward passes it.
+
+        What :func:`fp8state.cast_weights_ahead` casts; a module of your own that defines this
+        method can be cast ahead too.
+        """
+        return (self.weight,)
+
     def extra_repr(self) -> str:
         """Shapes, as ``nn.Linear`` prints them."""
         return (

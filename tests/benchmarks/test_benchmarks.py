@@ -167,7 +167,7 @@ def test_compiled_modes_benchmark_quick_run(tmp_path) -> None:
 
 def test_compiled_microbatches_benchmark_quick_run(tmp_path) -> None:
     result = _quick_run("compiled_microbatches.py", tmp_path, 600)["microbatch_caching_quick"]
-    for mode in ("eager", "compiled"):
+    for mode in ("eager", "eager_ahead", "compiled"):
         assert set(result[mode]) == {"ratio", "every_micro_batch_ms", "cached_ms"}
         assert all(isinstance(v, float) and v > 0 for v in result[mode].values())
     assert result["command"] == "python benchmarks/compiled_microbatches.py --quick"

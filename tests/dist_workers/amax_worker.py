@@ -75,6 +75,19 @@ def _train(rank: int, mode: str, steps: int, device: str) -> dict:
             (y * (rank + 1)).sum().backward()  # grad_output of the head is rank + 1
         dist.all_reduce = real_all_reduce
         result["input_amax"] = input_amax
+    elif mode == "ahead":  # a twin whose weights are cast ahead, in the same reductions
+        dist.all_reduce = counting_all_reduce
+        twin = copy.deepcopy(model)
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * rank + step)
+            x = torch.randn(8, H, generator=gen) * (rank + 1)
+            for m, ahead in ((model, False), (twin, True)):
+                block = fp8state.cast_weights_ahead(m, tokens=8)
+                with fp8state.fp8_autocast(), block if ahead else contextlib.nullcontext():
+                    y = m(x)
+                (y * (rank + 1)).sum().backward()
+        dist.all_reduce = real_all_reduce
+        result["twin"] = fp8_payloads(twin)
     elif mode == "compiled":
         result.update(_compiled(rank, steps, calls, counting_all_reduce, real_all_reduce))
     elif mode == "straddle":

@@ -41,6 +41,18 @@ def test_three_ranks_one_collective_per_direction_per_step(tmp_path) -> None:
     assert head["bwd.scale"][0] == torch.tensor(57344.0) / world
 
 
+def test_weights_cast_ahead_reduce_as_the_plain_steps(tmp_path) -> None:
+    # On two gloo ranks with different data, a twin whose steps cast their weights ahead
+    # (fp8state.cast_weights_ahead) joins one collective per direction per step and ends
+    # with the plain model's metadata, bit for bit, the same on both ranks.
+    steps = 3
+    results = _spawn(tmp_path, 2, "ahead", steps)
+    for r in results:
+        assert r["calls"] == 2 * 2 * steps  # two models, forward and backward
+        assert_same(r["twin"], r["payloads"])
+    _assert_same_payloads(results)
+
+
 def test_ddp_training_keeps_metadata_identical_on_every_rank(tmp_path) -> None:
     results = _spawn(tmp_path, 2, "ddp", 15)
     _assert_same_payloads(results)
