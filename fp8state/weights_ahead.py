@@ -1,11 +1,12 @@
 """``fp8state.cast_weights_ahead``: a step's FP8 weight casts back to back, before its forwards.
 
-Each FP8 GEMM casts its weight in its own forward, between its layer's other kernels. Cast
-one after the other before the first forward, the same casts take the GPU less time (the
-whole graphed step of a 16-layer model: docs/benchmarks.md). Inside the block every FP8 call
-reuses the copy cast ahead for it, as a later micro-batch reuses a first one's, so a step
-computes and records what it computes and records without the block: the same casts with the
-same scales, the same amaxes in the same history rows, bit for bit.
+Each FP8 GEMM casts its weight in its own forward, between its layer's other kernels; a
+model whose layers are called without ``is_first_microbatch`` casts them again in every
+micro-batch. The block casts them once, one after the other, before the first forward, and
+every FP8 call inside reuses the copy cast ahead for it, as a later micro-batch reuses a first
+one's (what it saves: docs/benchmarks.md). A step computes and records what it computes and
+records without the block: the same casts with the same scales, the same amaxes in the same
+history rows, bit for bit.
 
 That holds only where each weight cast ahead is then multiplied in FP8 inside the block.
 Whether a GEMM runs in FP8 depends on its tokens (``fp8_min_gemm_macs``), which the block
