@@ -17,8 +17,8 @@ weight casts of a step (four per layer) done one way per variant:
 - ``grouped``: ``cached``, plus the 64 casts back to back before the forward, on the step's
   stream (the work of ``cast``, gathered).
 - ``ahead``: the library's way to gather them, the forward in a ``fp8state.cast_weights_ahead``
-  block (the casts record into the modules' own histories, the first of each module opening
-  its step).
+  block (the casts record into the modules' own histories, whose steps the block opens
+  first).
 
 ``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
 how much of the step the GPU spends between kernels (not for ``side``, whose kernels overlap).
@@ -30,7 +30,7 @@ import argparse
 import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from graphed_step import timed_pairs  # benchmarks/ is on sys.path as a script
@@ -75,17 +75,12 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
     return [functools.partial(casts, layer) for layer in states]
 
 
-@contextlib.contextmanager
-def _nothing_ahead(model: torch.nn.Module, tokens: int) -> Iterator[None]:
-    yield
-
-
 def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], None]:
     """One fwd+bwd of ``model`` with the variant's weight work (``fresh``: grads set to None)."""
     work = weight_work(variant, layer_weights(model))
     side = torch.cuda.Stream()
     calls = 0
-    ahead = fp8state.cast_weights_ahead if variant == "ahead" else _nothing_ahead
+    tokens = x.shape[:-1].numel()
 
     def step() -> None:
         nonlocal calls
@@ -105,7 +100,12 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
         else:
             for layer_work in work:
                 layer_work()
-        with fp8state.fp8_autocast(), ahead(model, tokens=x.shape[:-1].numel()):
+        ahead = (
+            fp8state.cast_weights_ahead(model, tokens=tokens)
+            if variant == "ahead"
+            else contextlib.nullcontext()
+        )
+        with fp8state.fp8_autocast(), ahead:
             h = x
             for i, block in enumerate(model):
                 if events:

@@ -85,18 +85,12 @@ def cast_weights_ahead(modules: nn.Module | Iterable[nn.Module], tokens: int) ->
     if ctx is None or not ctx.enabled:
         yield
         return
-    targets = _fp8_weights(modules, tokens)
     # Per module, the GEMMs whose calls of these tokens run in FP8: the only ones cast.
-    plan = [
-        (
-            name,
-            module,
-            weights,
-            [g for g, w in enumerate(weights) if runs_in_fp8(module, ctx, w, tokens)],
-        )
-        for name, module, weights in targets
-    ]
-    plan = [step for step in plan if step[3]]
+    plan = []
+    for name, module, weights in _fp8_weights(modules, tokens):
+        gemms = [g for g, w in enumerate(weights) if runs_in_fp8(module, ctx, w, tokens)]
+        if gemms:
+            plan.append((name, module, weights, gemms))
     # Entered before the casts: a block inside another raises before anything is recorded.
     with microbatch.ahead(microbatch.Ahead()) as block:
         # One opening of every module's step in a few launches, where the first cast of each
