@@ -1,6 +1,7 @@
 """FP8 weights cached across micro-batches (``is_first_microbatch``), eager and compiled.
 
-Usage (CUDA): ``python benchmarks/compiled_microbatches.py [--out benchmarks/results/h200.json]``.
+Usage (CUDA): ``python benchmarks/compiled_microbatches.py [--modes ...] [--out
+benchmarks/results/h200.json]``.
 
 One optimizer step of the 16-layer model (``transformer.py``) as ``--micro-batches`` fwd+bwd
 passes of 1 x ``--tokens`` tokens, each under its own ``fp8_autocast``, every GEMM in FP8
@@ -13,7 +14,8 @@ cached step is one ``fp8_autocast`` around all the micro-batches with their forw
 ``fp8state.cast_weights_ahead`` block (every weight cast before the first micro-batch, no
 argument passed), against the same uncached step. Records ``microbatch_caching_1x2048``:
 per mode, time without caching / time with (above 1: caching pays), and both times in ms.
-``--quick`` (tiny model, CPU too) tests the script.
+``--modes`` runs only those modes (the eager ones take seconds, the compiled one minutes to
+compile). ``--quick`` (tiny model, CPU too) tests the script.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from record import report
 from transformer import build_model, mark_graphed
 
 import fp8state
+
+MODES = ("eager", "eager_ahead", "compiled")
 
 
 def _layers(model: torch.nn.Module, x: torch.Tensor, first: bool | None) -> torch.Tensor:
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="tiny model, to test the script")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     shape = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4} if args.quick else {}
@@ -93,8 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
     grad = torch.randn_like(xs[0])
     spin_up(device, 0 if args.quick else 5)
     result: dict[str, dict[str, float]] = {}
-    modes = (("eager", _layers), ("eager_ahead", _layers), ("compiled", torch.compile(_layers)))
-    for mode, run in modes:
+    runs = {"eager": _layers, "eager_ahead": _layers, "compiled": torch.compile(_layers)}
+    for mode in args.modes:
+        run = runs[mode]
         every = _step(run, model, xs, grad, cached=False)
         cached = (
             _ahead_step(model, xs, grad)
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
     key = f"microbatch_caching_{'quick' if args.quick else f'1x{tokens}'}"
     command = "python benchmarks/compiled_microbatches.py" + (" --quick" if args.quick else "")
+    if args.modes != list(MODES):
+        command += " --modes " + " ".join(args.modes)
     out = {key: {"command": command, "micro_batches": args.micro_batches, **result}}
     report(out, args.out)
     return out

@@ -173,6 +173,15 @@ def test_compiled_microbatches_benchmark_quick_run(tmp_path) -> None:
     assert result["command"] == "python benchmarks/compiled_microbatches.py --quick"
 
 
+def test_compiled_microbatches_benchmark_runs_the_modes_asked_for(tmp_path) -> None:
+    run = _quick_run("compiled_microbatches.py", tmp_path, 300, "--modes", "eager_ahead")
+    result = run["microbatch_caching_quick"]
+    assert set(result) == {"command", "micro_batches", "eager_ahead"}
+    assert result["eager_ahead"]["ratio"] > 0
+    expected = "python benchmarks/compiled_microbatches.py --quick --modes eager_ahead"
+    assert result["command"] == expected
+
+
 def test_profile_step_benchmark_quick_run() -> None:
     stdout = _script("profile_step.py", "--quick", "--top", "5", "--every-gemm-fp8", timeout=600)
     for mode in ("eager", "compiled"):
