@@ -19,6 +19,10 @@ weight casts of a step (four per layer) done one way per variant:
 - ``ahead``: the library's way to gather them, the forward in a ``fp8state.cast_weights_ahead``
   block (the casts record into the modules' own histories, whose steps the block opens
   first).
+- ``direct``: ``cached``, plus the block's work done by hand inside the step's
+  ``fp8_autocast``: every module's step opened (``open_steps``), then the 64 casts back to
+  back into the modules' own histories and slots, by the kernel's launcher directly (not the
+  modules' weight path, and the copies are dropped): between ``grouped`` and ``ahead``.
 
 ``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
 how much of the step the GPU spends between kernels (not for ``side``, whose kernels overlap).
@@ -41,8 +45,10 @@ from transformer import MODEL, build_model, clear_grads, mark_graphed
 
 import fp8state
 from fp8state._kernels import cast_launch
+from fp8state._runtime.amax_reduction import open_steps
+from fp8state.slots import FwdSlot, fwd_slot
 
-VARIANTS = ("cast", "cached", "side", "grouped", "ahead")
+VARIANTS = ("cast", "cached", "side", "grouped", "ahead", "direct")
 
 
 def layer_weights(model: torch.nn.Sequential) -> list[list[torch.Tensor]]:
@@ -56,7 +62,7 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
     Each is the modules' cast of a weight (with its transpose, a later record of a history),
     into scales and a history of the probe's own, so the modules' state stays as it was.
     """
-    if variant in ("cast", "cached", "ahead"):
+    if variant in ("cast", "cached", "ahead", "direct"):
         return []
     device = weights[0][0].device
     states = [
@@ -73,6 +79,25 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
             )
 
     return [functools.partial(casts, layer) for layer in states]
+
+
+def direct_casts(model: torch.nn.Sequential) -> None:
+    """The block's opening and casts by hand: the modules' own histories, copies dropped."""
+    blocks = list(model)
+    open_steps("fwd", [m for b in blocks for m in (b.qkv, b.proj, b.mlp)])
+    weight = FwdSlot.WEIGHT
+    for b in blocks:
+        for module, gemm, w in (
+            (b.qkv, 0, b.qkv.weight),
+            (b.proj, 0, b.proj.weight),
+            (b.mlp, 0, b.mlp.fc1_weight),
+            (b.mlp, 1, b.mlp.fc2_weight),
+        ):
+            hist, scale, scale_inv = module.fp8_meta("fwd")
+            slot = fwd_slot(gemm, weight)
+            cast_launch.cast_slot(
+                w, scale, scale_inv, hist, slot, torch.float8_e4m3fn, transpose=True, new_step=False
+            )
 
 
 def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], None]:
@@ -106,6 +131,8 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
             else contextlib.nullcontext()
         )
         with fp8state.fp8_autocast(), ahead:
+            if variant == "direct":
+                direct_casts(model)
             h = x
             for i, block in enumerate(model):
                 if events:
