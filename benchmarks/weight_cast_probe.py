@@ -83,18 +83,12 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
 
 def direct_casts(model: torch.nn.Sequential) -> None:
     """The block's opening and casts by hand: the modules' own histories, copies dropped."""
-    blocks = list(model)
-    open_steps("fwd", [m for b in blocks for m in (b.qkv, b.proj, b.mlp)])
-    weight = FwdSlot.WEIGHT
-    for b in blocks:
-        for module, gemm, w in (
-            (b.qkv, 0, b.qkv.weight),
-            (b.proj, 0, b.proj.weight),
-            (b.mlp, 0, b.mlp.fc1_weight),
-            (b.mlp, 1, b.mlp.fc2_weight),
-        ):
-            hist, scale, scale_inv = module.fp8_meta("fwd")
-            slot = fwd_slot(gemm, weight)
+    modules = [m for b in model for m in (b.qkv, b.proj, b.mlp)]
+    open_steps("fwd", modules)
+    for module in modules:
+        hist, scale, scale_inv = module.fp8_meta("fwd")
+        for gemm, w in enumerate(module.fp8_gemm_weights()):
+            slot = fwd_slot(gemm, FwdSlot.WEIGHT)
             cast_launch.cast_slot(
                 w, scale, scale_inv, hist, slot, torch.float8_e4m3fn, transpose=True, new_step=False
             )
