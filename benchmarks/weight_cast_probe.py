@@ -1,7 +1,7 @@
 """What the weight casts cost the graphed step, and whether moving them elsewhere helps.
 
 Usage (CUDA + Triton): ``python benchmarks/weight_cast_probe.py VARIANT [--repeats 2]
-[--fresh-grads] [--gaps]``, one variant per process.
+[--fresh-grads] [--gaps] [--keep-copies]``, one variant per process.
 
 The whole fwd+bwd of ``transformer.py``'s model at 1 x 2048 tokens captured in one CUDA graph
 (``graphed_step.timed_pairs``; every GEMM in FP8; ``--fresh-grads``: gradients set to None
@@ -23,6 +23,12 @@ weight casts of a step (four per layer) done one way per variant:
   ``fp8_autocast``: every module's step opened (``open_steps``), then the 64 casts back to
   back into the modules' own histories and slots, by the kernel's launcher directly (not the
   modules' weight path, and the copies are dropped): between ``grouped`` and ``ahead``.
+
+``grouped``, ``side`` and ``direct`` drop their casts' outputs (the modules multiply the
+warm-up's copies), so inside the graph each cast can write where the one before it wrote, and
+part of those bytes may never leave L2. ``--keep-copies`` holds them until the step's backward
+has run, at addresses of their own, as the modules' casts (``cast``, ``ahead``) hold theirs.
+On an H100 it changed nothing (docs/benchmarks.md).
 
 ``--gaps`` times the variant's FP8 graph alone against the sum of its kernels (:func:`gaps`):
 how much of the step the GPU spends between kernels (not for ``side``, whose kernels overlap).
@@ -56,11 +62,14 @@ def layer_weights(model: torch.nn.Sequential) -> list[list[torch.Tensor]]:
     return [[b.qkv.weight, b.proj.weight, b.mlp.fc1_weight, b.mlp.fc2_weight] for b in model]
 
 
-def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callable[[], None]]:
-    """Per layer, the variant's casts of that layer's weights (none for two variants).
+def weight_work(
+    variant: str, weights: list[list[torch.Tensor]], kept: list | None
+) -> list[Callable[[], None]]:
+    """Per layer, the variant's casts of that layer's weights (none for four variants).
 
     Each is the modules' cast of a weight (with its transpose, a later record of a history),
-    into scales and a history of the probe's own, so the modules' state stays as it was.
+    into scales and a history of the probe's own, so the modules' state stays as it was. The
+    outputs go to ``kept`` (``--keep-copies``), or are dropped where it is None.
     """
     if variant in ("cast", "cached", "ahead", "direct"):
         return []
@@ -74,29 +83,39 @@ def weight_work(variant: str, weights: list[list[torch.Tensor]]) -> list[Callabl
 
     def casts(layer: list) -> None:
         for w, scale, scale_inv in layer:
-            cast_launch.cast_slot(
+            out = cast_launch.cast_slot(
                 w, scale, scale_inv, history, 1, e4m3, transpose=True, new_step=False
             )
+            if kept is not None:
+                kept.append(out)
 
     return [functools.partial(casts, layer) for layer in states]
 
 
-def direct_casts(model: torch.nn.Sequential) -> None:
-    """The block's opening and casts by hand: the modules' own histories, copies dropped."""
+def direct_casts(model: torch.nn.Sequential, kept: list | None) -> None:
+    """The block's opening and casts by hand: the modules' own histories, copies to ``kept``."""
     modules = [m for b in model for m in (b.qkv, b.proj, b.mlp)]
     open_steps("fwd", modules)
     for module in modules:
         hist, scale, scale_inv = module.fp8_meta("fwd")
         for gemm, w in enumerate(module.fp8_gemm_weights()):
             slot = fwd_slot(gemm, FwdSlot.WEIGHT)
-            cast_launch.cast_slot(
+            out = cast_launch.cast_slot(
                 w, scale, scale_inv, hist, slot, torch.float8_e4m3fn, transpose=True, new_step=False
             )
+            if kept is not None:
+                kept.append(out)
 
 
-def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], None]:
-    """One fwd+bwd of ``model`` with the variant's weight work (``fresh``: grads set to None)."""
-    work = weight_work(variant, layer_weights(model))
+def make_fp8_step(
+    variant: str, model, x, grad, fresh: bool, keep: bool = False
+) -> Callable[[], None]:
+    """One fwd+bwd of ``model`` with the variant's weight work (``fresh``: grads set to None).
+
+    ``keep``: the variant's own casts' outputs live until the step's backward has run.
+    """
+    kept: list | None = [] if keep else None
+    work = weight_work(variant, layer_weights(model), kept)
     side = torch.cuda.Stream()
     calls = 0
     tokens = x.shape[:-1].numel()
@@ -126,7 +145,7 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
         )
         with fp8state.fp8_autocast(), ahead:
             if variant == "direct":
-                direct_casts(model)
+                direct_casts(model, kept)
             h = x
             for i, block in enumerate(model):
                 if events:
@@ -135,11 +154,13 @@ def make_fp8_step(variant: str, model, x, grad, fresh: bool) -> Callable[[], Non
         if variant == "side":
             torch.cuda.current_stream().wait_stream(side)
         h.backward(grad)
+        if kept is not None:
+            kept.clear()
 
     return step
 
 
-def gaps(variant: str, fresh: bool) -> dict[str, object]:
+def gaps(variant: str, fresh: bool, keep: bool) -> dict[str, object]:
     """The variant's FP8 step graphed, against the sum of its kernels: the graph's idle time.
 
     The kernels are profiled in an eager call of the step (``model_kernels.kernel_launches``,
@@ -150,7 +171,8 @@ def gaps(variant: str, fresh: bool) -> dict[str, object]:
     x = torch.randn(1, 2048, MODEL["hidden"], device=device, dtype=torch.bfloat16)
     model = build_model(True, device)
     mark_graphed(model, True)
-    step = make_fp8_step(variant, model, x.clone().requires_grad_(), torch.randn_like(x), fresh)
+    x_leaf = x.clone().requires_grad_()
+    step = make_fp8_step(variant, model, x_leaf, torch.randn_like(x), fresh, keep)
     launches = kernel_launches(step)
     kernels = sum(us for _, us in launches) / 1e3
     casts = [us for name, us in launches if name == "cast_kernel"]
@@ -158,6 +180,7 @@ def gaps(variant: str, fresh: bool) -> dict[str, object]:
     return {
         "variant": variant,
         "fresh_grads": fresh,
+        "keep_copies": keep,
         "graphed_ms": round(graph_ms, 3),
         "kernels_ms": round(kernels, 3),
         "idle_ms": round(graph_ms - kernels, 3),
@@ -176,14 +199,19 @@ def main() -> None:
     parser.add_argument(
         "--gaps", action="store_true", help="the FP8 graph's time against its kernels' instead"
     )
+    parser.add_argument(
+        "--keep-copies",
+        action="store_true",
+        help="grouped, side, direct: hold the casts' outputs until backward has run",
+    )
     args = parser.parse_args()
     if args.gaps and args.variant == "side":
         parser.error("--gaps sums kernels on one stream; side runs two")
     if args.gaps:
-        print(json.dumps(gaps(args.variant, args.fresh_grads)), flush=True)
+        print(json.dumps(gaps(args.variant, args.fresh_grads, args.keep_copies)), flush=True)
         return
-    step = functools.partial(make_fp8_step, args.variant)
-    label = {"variant": args.variant, "fresh_grads": args.fresh_grads}
+    step = functools.partial(make_fp8_step, args.variant, keep=args.keep_copies)
+    label = {"variant": args.variant, "fresh_grads": args.fresh_grads, "keep": args.keep_copies}
     timed_pairs(step, label, args.repeats, args.fresh_grads)
 
 
