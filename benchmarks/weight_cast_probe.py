@@ -22,7 +22,8 @@ weight casts of a step (four per layer) done one way per variant:
 - ``direct``: ``cached``, plus the block's work done by hand inside the step's
   ``fp8_autocast``: every module's step opened (``open_steps``), then the 64 casts back to
   back into the modules' own histories and slots, by the kernel's launcher directly (not the
-  modules' weight path, and the copies are dropped): between ``grouped`` and ``ahead``.
+  modules' weight path, and the copies dropped unless ``--keep-copies``): between
+  ``grouped`` and ``ahead``.
 
 ``grouped``, ``side`` and ``direct`` drop their casts' outputs (the modules multiply the
 warm-up's copies), so inside the graph each cast can write where the one before it wrote, and
@@ -211,7 +212,11 @@ def main() -> None:
         print(json.dumps(gaps(args.variant, args.fresh_grads, args.keep_copies)), flush=True)
         return
     step = functools.partial(make_fp8_step, args.variant, keep=args.keep_copies)
-    label = {"variant": args.variant, "fresh_grads": args.fresh_grads, "keep": args.keep_copies}
+    label = {
+        "variant": args.variant,
+        "fresh_grads": args.fresh_grads,
+        "keep_copies": args.keep_copies,
+    }
     timed_pairs(step, label, args.repeats, args.fresh_grads)
 
 
