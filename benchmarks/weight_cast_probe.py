@@ -56,6 +56,7 @@ from fp8state._runtime.amax_reduction import open_steps
 from fp8state.slots import FwdSlot, fwd_slot
 
 VARIANTS = ("cast", "cached", "side", "grouped", "ahead", "direct")
+KEEPS_COPIES = ("side", "grouped", "direct")  # the variants that drop their copies otherwise
 
 
 def layer_weights(model: torch.nn.Sequential) -> list[list[torch.Tensor]]:
@@ -203,11 +204,13 @@ def main() -> None:
     parser.add_argument(
         "--keep-copies",
         action="store_true",
-        help="grouped, side, direct: hold the casts' outputs until backward has run",
+        help=f"{', '.join(KEEPS_COPIES)}: hold the casts' outputs until backward has run",
     )
     args = parser.parse_args()
     if args.gaps and args.variant == "side":
         parser.error("--gaps sums kernels on one stream; side runs two")
+    if args.keep_copies and args.variant not in KEEPS_COPIES:
+        parser.error(f"--keep-copies: {args.variant}'s copies are the modules' own, kept already")
     if args.gaps:
         print(json.dumps(gaps(args.variant, args.fresh_grads, args.keep_copies)), flush=True)
         return
