@@ -2,8 +2,9 @@
 
 The file may name only DCP's metadata classes, sizes, dtypes, layouts and paths (fp8state's
 allow-list unpickler with DCP's classes as its allow-list); ``BUILD`` sets only their own
-fields. What it says is checked before anything else is opened: field types, item bytes inside
-regular files of the folder, chunks that cover each tensor exactly.
+fields. What it says is checked before anything else is opened: every object's fields present
+and of the types DCP writes, item bytes inside regular files of the folder, chunks that cover
+each tensor exactly.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ _FIELDS: dict[type, frozenset[str]] = {
     cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in _STATEFUL
 }
 
+# The fields every version of a class required at construction (no default of any kind), and
+# those whose default is a factory (not a class attribute an instance without them would read).
+_REQUIRED: dict[type, frozenset[str]] = {
+    cls: frozenset(
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    )
+    for cls in _STATEFUL
+}
+_FACTORIES: dict[type, tuple[tuple[str, Any], ...]] = {
+    cls: tuple(
+        (f.name, f.default_factory)
+        for f in dataclasses.fields(cls)
+        if f.default_factory is not dataclasses.MISSING
+    )
+    for cls in _STATEFUL
+}
+
 
 def _dataclass_setstate(inst: object, state: object) -> None:
     """``BUILD`` on a DCP metadata object: its own fields, nothing else."""
@@ -125,6 +145,39 @@ class _MetadataUnpickler(Unpickler):
     def setstate(self, inst: object, state: object) -> None:
         """``BUILD``: fields of DCP's metadata dataclasses only."""
         _dataclass_setstate(inst, state)
+
+    def load(self) -> Any:
+        """Unpickle, then complete or refuse each metadata object the pickle left short.
+
+        A pickle can make an instance without running its ``__init__`` (``NEWOBJ`` with no
+        ``BUILD``, or a ``BUILD`` that names some fields only): a reader would then meet an
+        ``AttributeError`` wherever it first touched a missing field, DCP's own readers
+        included. A field with a default reads as that; one with a default factory gets the
+        factory's value, as ``__init__`` would give it (a field torch added after the file
+        was written); one without either is refused. Only the objects this load made are
+        looked at, not the whole tree: metadata holds many more tuples than dataclasses.
+
+        Raises:
+            CheckpointError: naming the object's class and its missing fields.
+        """
+        loaded = super().load()
+        for made in self._created.values():
+            required = _REQUIRED.get(type(made))  # find_class hands out these exact classes
+            if required is None:
+                continue
+            fields = vars(made)
+            for name, factory in _FACTORIES[type(made)]:
+                if name not in fields:
+                    fields[name] = factory()
+            if not required <= fields.keys():
+                missing = ", ".join(sorted(required - fields.keys()))
+                raise CheckpointError(
+                    self._key,
+                    f"a {type(made).__name__} without its field(s) {missing}",
+                    "DCP's metadata objects with every field, as dcp.save writes them",
+                    "Nothing was read. The checkpoint is damaged or was crafted; use another.",
+                )
+        return loaded
 
     def find_class(self, module: str, name: str) -> Any:
         """Resolve ``module.name`` from the allow-list; never imports anything."""

@@ -22,6 +22,7 @@ from te_gen.adversarial import Call
 
 import fp8state
 import fp8state.checkpoint as ckpt
+from fp8state.checkpoint.dcp_untrusted import read_untrusted_metadata
 from fp8state.cli import main
 from fp8state.errors import CheckpointError, StateDictError, UnsafeCheckpointError
 
@@ -189,6 +190,47 @@ def test_metadata_state_must_name_the_dataclass_fields(mixed: Path) -> None:
     (mixed / ".metadata").write_bytes(data)
     with pytest.raises(UnsafeCheckpointError, match="__class__"):
         ckpt.load_dcp_state_dict(mixed, trusted=False)
+
+
+def test_metadata_made_without_its_fields_is_refused(mixed: Path) -> None:
+    # NEWOBJ Metadata and nothing more: an instance whose __init__ never ran.
+    data = b"ctorch.distributed.checkpoint.metadata\nMetadata\nX\x05\x00\x00\x00pwned\x81."
+    (mixed / ".metadata").write_bytes(data)
+    with pytest.raises(CheckpointError, match="a Metadata without its field") as info:
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+    assert info.value.key == os.path.join(str(mixed), ".metadata")
+    assert "state_dict_metadata" in info.value.found
+
+
+def test_an_item_made_without_its_fields_is_refused(mixed: Path) -> None:
+    # A real folder's metadata with one tensor's entry replaced by a bare instance: the
+    # storage data stays valid, so only the item itself is wrong.
+    with open(mixed / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    key = next(k for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks"))
+    bare = object.__new__(type(metadata.state_dict_metadata[key]))
+    metadata.state_dict_metadata[key] = bare
+    with open(mixed / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    model = models.build("te", seed=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="chunks, properties, size"):
+        ckpt.load_dcp_state_dict(mixed, trusted=False)
+    with pytest.raises(CheckpointError, match="TensorStorageMetadata without its field"):
+        ckpt.dcp_load(model, mixed)
+    assert_same(model.state_dict(), before)
+
+
+def test_a_field_with_a_default_factory_reads_as_its_default(mixed: Path) -> None:
+    # As a torch from before StorageMeta.modules wrote it: the field is not in the pickle.
+    with open(mixed / ".metadata", "rb") as file:
+        metadata = pickle.load(file)
+    del vars(metadata.storage_meta)["modules"]
+    with open(mixed / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
+    assert read_untrusted_metadata(str(mixed)).storage_meta.modules == []
+    untrusted = ckpt.load_dcp_state_dict(mixed, trusted=False)
+    assert_same(untrusted, ckpt.load_dcp_state_dict(mixed, trusted=True), exact_types=True)
 
 
 def _gadget_folders(tmp_path: Path) -> dict[str, tuple[Path, Path]]:

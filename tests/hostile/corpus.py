@@ -168,6 +168,17 @@ def dcp_uncovered_chunks(folder: Path) -> Path:
     return _rewrite_metadata(path, edit)
 
 
+def dcp_item_without_fields(folder: Path) -> Path:
+    path = _dcp(folder)
+
+    def edit(metadata: Any) -> None:
+        # An instance whose __init__ never ran: pickled as NEWOBJ with no BUILD.
+        kind = type(metadata.state_dict_metadata["weight"])
+        metadata.state_dict_metadata["weight"] = object.__new__(kind)
+
+    return _rewrite_metadata(path, edit)
+
+
 def dcp_build_on_class(folder: Path) -> Path:
     path = _dcp(folder)
     # GLOBAL Metadata, BUILD (None, {"pwned": "yes"}): sets an attribute on the class itself.
@@ -221,6 +232,7 @@ CORPUS: dict[str, tuple[Callable[[Path], Path], str, bool]] = {
     "dcp-item-gadget": (dcp_item_gadget, "dcp", True),
     "dcp-path-traversal": (dcp_path_traversal, "dcp", True),
     "dcp-uncovered-chunks": (dcp_uncovered_chunks, "dcp", True),
+    "dcp-item-without-fields": (dcp_item_without_fields, "dcp", True),
     "dcp-build-on-class": (dcp_build_on_class, "dcp", True),
     "hash-bomb-key": (hash_bomb_key, "file", True),
     "dcp-hash-bomb-key": (dcp_hash_bomb_key, "dcp", True),
