@@ -27,7 +27,8 @@ transposed E5M2 copy, the input's transposed E4M3 copy):
 Each kernel is timed back to back with CUDA events (``hopper.kernel_ms``). ``per_step_ms``
 sums each variant over the model's layers, and ``saving_ms`` is what the fold would take off
 an accumulating step: ``scaled_mm_add - triton_acc``. ``bound_cublas_beta_ms`` is what a
-cuBLAS fold could at best reach: ``scaled_mm`` plus reading the old sum at the copy rate.
+cuBLAS fold could at best reach: ``scaled_mm`` plus reading the old sum at the copy rate
+(``byte_floor.copy_rate``).
 The fold's results are checked against ``scaled_mm_add`` (one bf16 rounding against two).
 """
 
@@ -41,7 +42,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from hopper import kernel_ms, spin_up  # benchmarks/ is on sys.path as a script
+from byte_floor import copy_rate  # benchmarks/ is on sys.path as a script
+from hopper import kernel_ms, spin_up
 from record import report
 from transformer import MODEL
 
@@ -55,6 +57,15 @@ CONFIGS = [
     (128, 128, 128, 4, 4),
     (128, 256, 64, 8, 4),
 ]
+
+# The Triton variants: each one's label in ``configs_ms``, then its launches' flags
+# (accumulate into the sum, full accumulation).
+TRITON_VARIANTS = {
+    "triton": ("new", False, True),
+    "triton_fast": ("new_fast", False, False),
+    "triton_acc": ("acc", True, True),
+    "triton_acc_fast": ("acc_fast", True, False),
+}
 
 
 @triton.jit
@@ -132,13 +143,6 @@ def weights(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
     }
 
 
-def copy_rate(device: torch.device) -> float:
-    """Bytes per millisecond of a 256 MiB device copy (read and write counted)."""
-    src = torch.empty(128 * 2**20, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 2 / kernel_ms(lambda: dst.copy_(src), device, 5, 20)
-
-
 def probe_weight(n: int, k: int, tokens: int, device: torch.device) -> dict[str, object]:
     """Every variant for one ``n x k`` weight's gradient over ``tokens`` rows."""
     g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
@@ -158,38 +162,30 @@ def probe_weight(n: int, k: int, tokens: int, device: torch.device) -> dict[str,
         "scaled_mm_add": kernel_ms(lambda: running.add_(scaled()), device, 5, 50),
         "bf16_mm_add": kernel_ms(lambda: running.add_(bf16_w[0] @ bf16_w[1]), device, 5, 50),
     }
-    configs: dict[str, float | str] = {}
-    for config, acc, precise in itertools.product(CONFIGS, (False, True), (True, False)):
-        kind = ("acc" if acc else "new") + ("" if precise else "_fast")
+    configs: dict[str, float | str] = {}  # by label, as recorded: a time or the error
+    timed: dict[tuple[str, tuple[int, ...]], float] = {}  # by (variant, config)
+    for config, (variant, (kind, *flags)) in itertools.product(CONFIGS, TRITON_VARIANTS.items()):
         label = f"{kind}:{'x'.join(map(str, config))}"
-        launch = functools.partial(
-            triton_gemm, g8_t, x8_cm, one, one, running if acc else fresh, acc, precise, config
-        )
+        out = running if flags[0] else fresh
+        launch = functools.partial(triton_gemm, g8_t, x8_cm, one, one, out, *flags, config)
         try:
-            configs[label] = kernel_ms(launch, device, 5, 50)
+            timed[variant, config] = configs[label] = kernel_ms(launch, device, 5, 50)
         except Exception as error:  # a tile that does not fit shared memory, say
             configs[label] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
-    kinds = {
-        "triton": "new",
-        "triton_acc": "acc",
-        "triton_fast": "new_fast",
-        "triton_acc_fast": "acc_fast",
+    best = {
+        variant: min((c for v, c in timed if v == variant), key=lambda c: timed[variant, c])
+        for variant in TRITON_VARIANTS
     }
-    for variant, kind in kinds.items():
-        timed = {
-            c: t for c, t in configs.items() if c.split(":")[0] == kind and isinstance(t, float)
-        }
-        best = min(timed, key=timed.__getitem__)
-        times[variant] = timed[best]
-        times[f"{variant}_config"] = best.split(":")[1]
+    for variant, config in best.items():
+        times[variant] = timed[variant, config]
+        times[f"{variant}_config"] = "x".join(map(str, config))
     # The fold's numbers: one rounding of (old + product) against the add of a rounded product,
     # in units of bf16's half step at the largest value.
     start = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     reference = start.float() + scaled().float()
-    for variant, precise in (("triton_acc", True), ("triton_acc_fast", False)):
+    for variant in ("triton_acc", "triton_acc_fast"):
         folded = start.clone()
-        best = tuple(int(v) for v in str(times[f"{variant}_config"]).split("x"))
-        triton_gemm(g8_t, x8_cm, one, one, folded, True, precise, best)
+        triton_gemm(g8_t, x8_cm, one, one, folded, *TRITON_VARIANTS[variant][1:], best[variant])
         error = (folded.float() - reference).abs().max().item()
         times[f"{variant}_error_half_ulps"] = error / (reference.abs().max().item() * 2**-8)
     return {"times_ms": times, "configs_ms": configs}
@@ -208,15 +204,7 @@ def main() -> None:
     layers = MODEL["layers"]
     per_step = {
         variant: layers * sum(float(w["times_ms"][variant]) for w in per_weight.values())
-        for variant in (
-            "scaled_mm",
-            "scaled_mm_add",
-            "triton",
-            "triton_acc",
-            "triton_fast",
-            "triton_acc_fast",
-            "bf16_mm_add",
-        )
+        for variant in ("scaled_mm", "scaled_mm_add", "bf16_mm_add", *TRITON_VARIANTS)
     }
     old_sum_bytes = layers * sum(2 * n * k for n, k in shapes.values())
     result = {
@@ -224,11 +212,11 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "tokens": args.tokens,
-        "copy_rate_tb_s": rate / 1e9,
+        "copy_rate_tb_s": rate / 1e12,
         "per_weight": per_weight,
         "per_step_ms": per_step,
         "saving_ms": per_step["scaled_mm_add"] - per_step["triton_acc"],
-        "bound_cublas_beta_ms": per_step["scaled_mm"] + old_sum_bytes / rate,
+        "bound_cublas_beta_ms": per_step["scaled_mm"] + old_sum_bytes / rate * 1e3,
     }
     report({"wgrad_accumulate_probe": result}, args.out)
 
